@@ -1,0 +1,13 @@
+"""pallas_prefill: ragged-batch attention prefill kernels for JAX on NVIDIA GPUs.
+
+The kernels are Pallas GPU kernels (Triton lowering); the kernel body shared by MHA and MLA
+is in ``pallas_prefill.ragged``.
+"""
+
+from pallas_prefill import masks
+from pallas_prefill import reference
+from pallas_prefill.config import MhaConfig
+from pallas_prefill.mha import mha_prefill
+from pallas_prefill.validation import validate_offsets
+
+__all__ = ["MhaConfig", "masks", "mha_prefill", "reference", "validate_offsets"]

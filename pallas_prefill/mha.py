@@ -1,0 +1,129 @@
+"""Ragged multi-head attention prefill (MHA, GQA, MQA): the public entry point."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_prefill import masks as masks_lib
+from pallas_prefill import ragged
+from pallas_prefill import validation as val
+from pallas_prefill.config import MhaConfig, default_config
+
+
+def resolve_interpret(interpret):
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
+                mask=masks_lib.CausalMask(), scale=None, sink_weights=None,
+                output_dtype=None, return_lse=False, config=None, interpret=None):
+  """Attention prefill over a ragged (packed) batch of prompts.
+
+  Sequence b's queries are rows ``input_row_offsets[b]:input_row_offsets[b+1]`` of ``q``;
+  it attends over K/V rows ``kv_input_row_offsets[b]:kv_input_row_offsets[b+1]`` (the same
+  rows as its queries when ``kv_input_row_offsets`` is None). Its queries are the last
+  ``q_len`` positions of the sequence: query i sits at position ``start_pos + i`` with
+  ``start_pos = kv_len - q_len``, so a longer K/V range is a cached prefix and a shorter one
+  (cross-attention) leaves the first queries seeing no key, which then output zeros.
+
+  Args:
+    q: [total_q, num_heads, head_dim], bfloat16, float16 or float32.
+    k: [total_kv, num_kv_heads, head_dim], same dtype; num_heads % num_kv_heads == 0
+      (MHA, GQA, MQA). total_kv == total_q when kv_input_row_offsets is None.
+    v: [total_kv, num_kv_heads, head_dim_v], same dtype.
+    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
+    max_prompt_len: static int >= every sequence's query count; sizes the grid, so bucket
+      it to limit recompilation.
+    kv_input_row_offsets: optional [batch + 1] int32 or uint32 K/V row offsets.
+    mask: a ``pallas_prefill.masks`` mask (default causal). KV tiles it hides entirely are
+      skipped.
+    scale: logit scale, a static float; default 1/sqrt(head_dim).
+    sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
+      denominator gains exp(sink - max); the sink contributes no value.
+    output_dtype: dtype of the output; default q.dtype.
+    return_lse: also return the float32 natural-log log-sum-exp of each row's logits, sink
+      included, for merging chunks (rows that see no key and have no sink: -1e30).
+    config: a ``MhaConfig``; None picks the tuned default for the head dims and device.
+    interpret: run the Pallas interpreter; None means exactly when the default backend is
+      the CPU.
+
+  Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
+  zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output
+  rows past ``input_row_offsets[-1]`` are zeros.
+
+  Returns:
+    out [total_q, num_heads, head_dim_v] in output_dtype, or (out, lse) with lse
+    [total_q, num_heads] float32 when return_lse.
+
+  Raises:
+    TypeError, ValueError: static problems (ranks, dtypes, head counts or dims, offsets'
+      length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape),
+      and, when the offsets are concrete, the data problems ``validate_offsets`` finds.
+      Under jit nothing checks the offsets' values; the kernel clamps every index, so
+      garbage offsets give garbage rows but never an access outside the arrays or NaN.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    val.check_array(name, x, 3)
+    val.check_float_dtype(name, x)
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  total_q, num_heads, head_dim = q.shape
+  total_kv, num_kv_heads, _ = k.shape
+  if k.shape[2] != head_dim:
+    raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+  if v.shape[:2] != k.shape[:2]:
+    raise ValueError(f"k and v must have the same rows and heads: k {k.shape}, v {v.shape}")
+  if num_kv_heads == 0 or num_heads % num_kv_heads:
+    raise ValueError(
+        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+  val.check_head_dim("head_dim", head_dim)
+  val.check_head_dim("head_dim_v", v.shape[2])
+  val.check_offsets("input_row_offsets", input_row_offsets)
+  batch = input_row_offsets.shape[0] - 1
+  if kv_input_row_offsets is None:
+    if total_kv != total_q:
+      raise ValueError(
+          f"without kv_input_row_offsets K/V are packed like Q, so k must have total_q = "
+          f"{total_q} rows, got {total_kv}")
+  else:
+    val.check_offsets("kv_input_row_offsets", kv_input_row_offsets, batch)
+  if sink_weights is not None:
+    val.check_array("sink_weights", sink_weights, 1)
+    if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
+                                                                jnp.floating):
+      raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
+                       f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+  val.check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+                    output_dtype=output_dtype, config=config, interpret=interpret)
+  if val.is_concrete(input_row_offsets) and (
+      kv_input_row_offsets is None or val.is_concrete(kv_input_row_offsets)):
+    val.validate_offsets(input_row_offsets, max_prompt_len=max_prompt_len, total_q=total_q,
+                         kv_input_row_offsets=kv_input_row_offsets, total_kv=total_kv)
+  return _mha_prefill(
+      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
+      max_prompt_len=int(max_prompt_len), mask=mask,
+      scale=float(head_dim ** -0.5 if scale is None else scale),
+      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
+      return_lse=bool(return_lse), config=config, interpret=resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
+def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
+                 max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+  head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+  qk_depth, v_depth = ragged.padded_depth(head_dim), ragged.padded_depth(head_dim_v)
+  config = config or default_config(qk_depth, v_depth, q.dtype)
+  result = ragged.ragged_attention(
+      [ragged.pad_depth(q, qk_depth)], [ragged.pad_depth(k, qk_depth)],
+      ragged.pad_depth(v, v_depth), input_row_offsets, kv_input_row_offsets, sink_weights,
+      parts=[ragged.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
+      max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
+      return_lse=return_lse, config=config, interpret=interpret)
+  if return_lse:
+    out, lse = result
+    return out[..., :head_dim_v], lse
+  return result[..., :head_dim_v]

@@ -1,0 +1,131 @@
+"""Plain-jnp float32 references: the definition of what the kernels must compute.
+
+Dense over all packed rows (a query sees a key iff both belong to the same sequence and
+the mask allows it), processed in blocks of query rows to bound memory. Works with traced
+offsets. The matrix products run at HIGHEST precision so that the reference is float32 on
+the GPU too, not TF32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_prefill import masks as masks_lib
+from pallas_prefill.ragged import EMPTY_ROW_LSE
+
+_HI = lax.Precision.HIGHEST
+
+
+def _row_positions(offsets, total):
+  """Per row: its sequence, its index within the sequence, and whether it is in one."""
+  offsets = offsets.astype(jnp.int32)
+  rows = jnp.arange(total, dtype=jnp.int32)
+  seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
+  batch = offsets.shape[0] - 1
+  valid = (seq >= 0) & (seq < batch)
+  seq = jnp.clip(seq, 0, batch - 1)
+  return seq, rows - offsets[seq], valid
+
+
+def _reference(logits_fn, v, input_row_offsets, kv_input_row_offsets, *, num_heads, total_q,
+               mask, scale, sink_weights, output_dtype, return_lse, block_rows=256):
+  """logits_fn(row_start, rows) -> [rows, num_heads, total_kv] float32 unscaled logits."""
+  total_kv, num_kv_heads, v_depth = v.shape
+  group = num_heads // num_kv_heads
+  q_off = input_row_offsets.astype(jnp.int32)
+  kv_off = q_off if kv_input_row_offsets is None else kv_input_row_offsets.astype(jnp.int32)
+  q_seq, q_idx, q_valid = _row_positions(q_off, total_q)
+  k_seq, k_pos, k_valid = _row_positions(kv_off, total_kv)
+  q_lens, kv_lens = jnp.diff(q_off), jnp.diff(kv_off)
+  q_pos = kv_lens[q_seq] - q_lens[q_seq] + q_idx
+  v32 = jnp.repeat(v.astype(jnp.float32), group, axis=1)  # [total_kv, num_heads, v_depth]
+  sink = None if sink_weights is None else sink_weights.astype(jnp.float32)
+
+  num_blocks = -(-total_q // block_rows)
+
+  def one_block(i):
+    r0 = i * block_rows
+    sl = lambda x: lax.dynamic_slice_in_dim(x, r0, block_rows)
+    pad = lambda x: jnp.pad(x, (0, num_blocks * block_rows - total_q))
+    seq, pos, valid = sl(pad(q_seq)), sl(pad(q_pos)), sl(pad(q_valid))
+    s = logits_fn(r0, block_rows) * scale  # [rows, heads, total_kv]
+    vis = ((seq[:, None] == k_seq[None, :]) & valid[:, None] & k_valid[None, :]
+           & mask.visible(pos[:, None], k_pos[None, :]))[:, None, :]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if sink is not None:
+      m = jnp.maximum(m, sink[None, :])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+    denom = jnp.sum(p, axis=-1)
+    if sink is not None:
+      denom = denom + jnp.exp(sink[None, :] - m_safe)
+    seen = (denom > 0) & valid[:, None]  # rows past the last offset belong to no sequence
+    denom_safe = jnp.where(seen, denom, 1.0)
+    out = jnp.einsum("rhk,khd->rhd", p, v32, precision=_HI) / denom_safe[..., None]
+    lse = jnp.where(seen, m_safe + jnp.log(denom_safe), EMPTY_ROW_LSE)
+    return out, lse
+
+  out, lse = lax.map(one_block, jnp.arange(num_blocks))
+  out = out.reshape(-1, num_heads, v_depth)[:total_q].astype(output_dtype)
+  lse = lse.reshape(-1, num_heads)[:total_q]
+  return (out, lse) if return_lse else out
+
+
+def _q_block(x, r0, rows):
+  total = x.shape[0]
+  num_blocks = -(-total // rows)
+  x = jnp.pad(x.astype(jnp.float32), [(0, num_blocks * rows - total)] + [(0, 0)] * (x.ndim - 1))
+  return lax.dynamic_slice_in_dim(x, r0, rows)
+
+
+def _heads(x, num_heads):
+  return jnp.repeat(x.astype(jnp.float32), num_heads // x.shape[1], axis=1)
+
+
+def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
+                          kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
+                          sink_weights=None, output_dtype=None, return_lse=False,
+                          config=None, interpret=None):
+  """Float32 reference for ``mha_prefill``, same signature and semantics.
+
+  ``max_prompt_len``, ``config`` and ``interpret`` are accepted and ignored.
+  """
+  del max_prompt_len, config, interpret
+  num_heads = q.shape[1]
+  k32 = _heads(k, num_heads)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+  def logits(r0, rows):
+    return jnp.einsum("rhd,khd->rhk", _q_block(q, r0, rows), k32, precision=_HI)
+
+  return _reference(logits, v, input_row_offsets, kv_input_row_offsets,
+                    num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
+                    sink_weights=sink_weights, output_dtype=output_dtype or q.dtype,
+                    return_lse=return_lse)
+
+
+def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
+                          kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
+                          output_dtype=None, return_lse=False, config=None, interpret=None):
+  """Float32 reference for ``mla_prefill``: logits = (q_nope.k_nope + q_rope.k_rope) * scale.
+
+  ``max_prompt_len``, ``config`` and ``interpret`` are accepted and ignored.
+  """
+  del max_prompt_len, config, interpret
+  num_heads = q.shape[1]
+  d_nope = k_nope.shape[-1]
+  kn32, kr32 = _heads(k_nope, num_heads), _heads(k_rope, num_heads)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+  def logits(r0, rows):
+    qb = _q_block(q, r0, rows)
+    return (jnp.einsum("rhd,khd->rhk", qb[..., :d_nope], kn32, precision=_HI)
+            + jnp.einsum("rhd,khd->rhk", qb[..., d_nope:], kr32, precision=_HI))
+
+  return _reference(logits, v, input_row_offsets, kv_input_row_offsets,
+                    num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
+                    sink_weights=None, output_dtype=output_dtype or q.dtype,
+                    return_lse=return_lse)

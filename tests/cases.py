@@ -1,0 +1,158 @@
+"""The case matrix every backend is held to: interpret mode on the CPU and compiled on the
+GPU run the same cases through `check_case`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_prefill as pp
+from pallas_prefill import masks
+
+CAUSAL = masks.CausalMask()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  lens: tuple[int, ...] = (0, 1, 37, 100, 64, 19)  # a 0- and a 1-length sequence
+  kv_lens: tuple[int, ...] | None = None  # None: K/V packed like Q
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 64
+  head_dim_v: int | None = None
+  dtype: str = "bfloat16"
+  mask: object = CAUSAL
+  sink: bool = False
+  lse: bool = False
+  output_dtype: str | None = None
+  offsets_dtype: str = "int32"
+  extra_prompt_len: int = 9  # max_prompt_len beyond the longest sequence
+  extra_rows: int = 5  # rows past offsets[-1], which must come out zero
+  config: pp.MhaConfig | None = pp.MhaConfig(block_q=32, block_kv=16, num_warps=4,
+                                              num_stages=2)
+
+  @property
+  def name(self) -> str:
+    fields = []
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if value != f.default:
+        fields.append(f"{f.name}={value}")
+    return ",".join(fields) or "base"
+
+
+def _cases():
+  base = Case()
+  r = dataclasses.replace
+  return [
+      base,
+      r(base, config=None),  # the defaults
+      r(base, lens=(128, 64, 5), extra_prompt_len=0, extra_rows=0),  # block multiples
+      r(base, kv_heads=4),  # MHA
+      r(base, kv_heads=1),  # MQA
+      r(base, heads=8, kv_heads=2),  # GQA 4
+      r(base, mask=masks.NullMask()),
+      r(base, mask=masks.SlidingWindowCausalMask(24)),
+      r(base, mask=masks.SlidingWindowCausalMask(1)),
+      r(base, mask=masks.ChunkedCausalMask(32)),
+      r(base, mask=masks.ChunkedCausalMask(20)),
+      r(base, sink=True),
+      r(base, sink=True, lse=True, mask=masks.SlidingWindowCausalMask(24)),
+      r(base, lse=True),
+      r(base, lse=True, output_dtype="float32"),
+      r(base, offsets_dtype="uint32"),
+      r(base, head_dim=96),
+      r(base, head_dim=128),
+      r(base, head_dim=256, config=None),
+      r(base, head_dim=80, head_dim_v=48),
+      r(base, dtype="float16"),
+      r(base, dtype="float32"),
+      r(base, dtype="float32", output_dtype="bfloat16", lse=True),
+      # A cached prefix: K/V longer than the queries (chunked prefill).
+      r(base, kv_lens=(5, 1, 90, 100, 64, 50)),
+      r(base, kv_lens=(5, 1, 90, 100, 64, 50), mask=masks.SlidingWindowCausalMask(24)),
+      r(base, kv_lens=(5, 1, 90, 100, 64, 50), mask=masks.ChunkedCausalMask(32), lse=True),
+      # Cross-attention: fewer keys than queries, some queries see none.
+      r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=masks.NullMask(), lse=True),
+      r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=CAUSAL, lse=True),
+      r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=CAUSAL, sink=True, lse=True),
+      r(base, lens=(0,), extra_prompt_len=16, extra_rows=3),  # nothing to attend
+      r(base, lens=(200,), kv_heads=1, mask=masks.SlidingWindowCausalMask(40),
+        extra_prompt_len=0),
+  ]
+
+
+CASES = _cases()
+
+TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 5e-3}
+
+
+def fresh_seed() -> int:
+  return int.from_bytes(os.urandom(4), "little")
+
+
+def make_inputs(case: Case, seed: int):
+  rng = np.random.default_rng(seed)
+  kv_lens = case.lens if case.kv_lens is None else case.kv_lens
+  q_off = np.concatenate([[0], np.cumsum(case.lens)])
+  kv_off = np.concatenate([[0], np.cumsum(kv_lens)])
+  total_q = int(q_off[-1]) + case.extra_rows
+  total_kv = total_q if case.kv_lens is None else int(kv_off[-1]) + 3
+  dv = case.head_dim_v or case.head_dim
+  dt = jnp.dtype(case.dtype)
+  q = jnp.asarray(rng.standard_normal((total_q, case.heads, case.head_dim)), dt)
+  k = jnp.asarray(rng.standard_normal((total_kv, case.kv_heads, case.head_dim)), dt)
+  v = jnp.asarray(rng.standard_normal((total_kv, case.kv_heads, dv)), dt)
+  kwargs = dict(max_prompt_len=max(max(case.lens), 1) + case.extra_prompt_len,
+                mask=case.mask, return_lse=case.lse, output_dtype=case.output_dtype)
+  if case.kv_lens is not None:
+    kwargs["kv_input_row_offsets"] = jnp.asarray(kv_off, case.offsets_dtype)
+  if case.sink:
+    kwargs["sink_weights"] = jnp.asarray(rng.standard_normal(case.heads) * 2, jnp.float32)
+  return (q, k, v, jnp.asarray(q_off, case.offsets_dtype)), kwargs, int(q_off[-1])
+
+
+def rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_outputs(case, result, expected, last_row, seed):
+  """Asserts `result` matches the reference `expected`: no NaN anywhere (so every row was
+  written, given poisoned outputs), error under the dtype's tolerance, zeros past the last
+  offset, and the log-sum-exp."""
+  tag = f"{case.name} seed={seed}"
+  out, lse = result if case.lse else (result, None)
+  ref_out, ref_lse = expected if case.lse else (expected, None)
+  assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, tag
+  out32 = np.asarray(out, np.float32)
+  assert np.isfinite(out32).all(), f"non-finite output: {tag}"
+  err = rel_err(out32, ref_out)
+  assert err < TOLERANCE[case.dtype], f"relative error {err:.2e}: {tag}"
+  assert not np.any(out32[last_row:]), f"rows past offsets[-1] not zero: {tag}"
+  if lse is not None:
+    lse = np.asarray(lse)
+    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape, tag
+    assert np.isfinite(lse).all(), f"non-finite lse: {tag}"
+    np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-3, atol=2e-2, err_msg=tag)
+  return err
+
+
+def check_case(case: Case, *, interpret: bool, poison=None):
+  """Runs `case` on fresh random inputs and compares it with the float32 reference.
+
+  `poison`, if given, is called before the kernel runs (on the GPU it fills the memory
+  the output is about to get with NaN, so unwritten rows show).
+  """
+  seed = fresh_seed()
+  args, kwargs, last_row = make_inputs(case, seed)
+  expected = pp.reference.mha_prefill_reference(*args, **kwargs)
+  if poison is not None:
+    poison()
+  result = pp.mha_prefill(*args, config=case.config, interpret=interpret, **kwargs)
+  jax.block_until_ready(result)
+  return check_outputs(case, result, expected, last_row, seed)
