@@ -40,35 +40,40 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-# Tuned on an H200 (BUILD_NOTES.md, "Tile sweep"): keyed by (device kind prefix,
-# padded QK depth, padded V depth, itemsize of the inputs).
-_TUNED: dict[tuple[str, int, int, int], MhaConfig] = {}
+# Tuned on an H200 (BUILD_NOTES.md, "Tile sweeps"): device kind -> {(QK depth, V depth,
+# input itemsize, long prompts): config}. The QK depth is the sum of the logit terms'
+# padded widths (MLA's 128 + 64 is 192); "long" means max_prompt_len > LONG_PROMPT.
+LONG_PROMPT = 1024
+_TUNED: dict[str, dict[tuple[int, int, int, bool], MhaConfig]] = {
+    "NVIDIA H200": {
+        (128, 128, 2, False): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=3),
+        (128, 128, 2, True): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=3),
+        (192, 128, 2, False): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+        (192, 128, 2, True): MhaConfig(block_q=128, block_kv=32, num_warps=4, num_stages=3),
+    },
+}
 
 
 def _device_kind() -> str:
-  try:
-    return jax.devices()[0].device_kind
-  except RuntimeError:
-    return ""
+  """The device being compiled for: an abstract mesh's device (ahead-of-time lowering for
+  another GPU) if one is set, else the default device."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None:
+    return abstract.device_kind
+  return jax.devices()[0].device_kind
 
 
-def default_config(qk_depth: int, v_depth: int, dtype) -> MhaConfig:
-  """The configuration ``config=None`` uses for these padded depths and input dtype.
+def default_config(qk_depth: int, v_depth: int, dtype, max_prompt_len: int) -> MhaConfig:
+  """The configuration ``config=None`` uses for these padded depths, dtype and prompt length.
 
-  Looks up the table tuned for the current device; an unknown device or shape gets a safe
-  default sized so that Q, two K/V stages and the accumulator fit in shared memory and
-  registers.
+  Looks up the table tuned for the device; an unknown device or shape gets a safe default:
+  64 x 32 tiles, which keep Q, the K/V stages and the accumulator well inside shared
+  memory and registers up to depth 256 in float32.
   """
   itemsize = jnp.dtype(dtype).itemsize
-  kind = _device_kind()
-  for (prefix, qk, vd, size), cfg in _TUNED.items():
-    if kind.startswith(prefix) and (qk, vd, size) == (qk_depth, v_depth, itemsize):
-      return cfg
-  depth = max(qk_depth, v_depth) * itemsize // 2  # bf16-equivalent depth
-  if depth <= 64:
-    return MhaConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3)
-  if depth <= 128:
-    return MhaConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3)
-  if depth <= 256:
-    return MhaConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2)
-  return MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2)
+  key = (qk_depth, v_depth, itemsize, max_prompt_len > LONG_PROMPT)
+  tuned = _TUNED.get(_device_kind(), {}).get(key)
+  if tuned is not None:
+    return tuned
+  wide = max(qk_depth, v_depth) * itemsize > 256  # wider than bf16 at depth 128
+  return MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2 if wide else 3)

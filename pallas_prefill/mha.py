@@ -10,11 +10,6 @@ import jax.numpy as jnp
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import ragged
 from pallas_prefill import validation as val
-from pallas_prefill.config import MhaConfig, default_config
-
-
-def resolve_interpret(interpret):
-  return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
@@ -65,65 +60,42 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       Under jit nothing checks the offsets' values; the kernel clamps every index, so
       garbage offsets give garbage rows but never an access outside the arrays or NaN.
   """
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    val.check_array(name, x, 3)
-    val.check_float_dtype(name, x)
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  total_q, num_heads, head_dim = q.shape
-  total_kv, num_kv_heads, _ = k.shape
+  val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
+                 max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+                 output_dtype=output_dtype, config=config, interpret=interpret)
+  num_heads, head_dim = q.shape[1:]
   if k.shape[2] != head_dim:
     raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-  if v.shape[:2] != k.shape[:2]:
-    raise ValueError(f"k and v must have the same rows and heads: k {k.shape}, v {v.shape}")
-  if num_kv_heads == 0 or num_heads % num_kv_heads:
-    raise ValueError(
-        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+  if v.shape[1] != k.shape[1]:
+    raise ValueError(f"k and v must have the same number of heads: k {k.shape}, v {v.shape}")
+  val.check_heads(num_heads, k.shape[1])
   val.check_head_dim("head_dim", head_dim)
   val.check_head_dim("head_dim_v", v.shape[2])
-  val.check_offsets("input_row_offsets", input_row_offsets)
-  batch = input_row_offsets.shape[0] - 1
-  if kv_input_row_offsets is None:
-    if total_kv != total_q:
-      raise ValueError(
-          f"without kv_input_row_offsets K/V are packed like Q, so k must have total_q = "
-          f"{total_q} rows, got {total_kv}")
-  else:
-    val.check_offsets("kv_input_row_offsets", kv_input_row_offsets, batch)
   if sink_weights is not None:
     val.check_array("sink_weights", sink_weights, 1)
     if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
                                                                 jnp.floating):
       raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
                        f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
-  val.check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-                    output_dtype=output_dtype, config=config, interpret=interpret)
-  if val.is_concrete(input_row_offsets) and (
-      kv_input_row_offsets is None or val.is_concrete(kv_input_row_offsets)):
-    val.validate_offsets(input_row_offsets, max_prompt_len=max_prompt_len, total_q=total_q,
-                         kv_input_row_offsets=kv_input_row_offsets, total_kv=total_kv)
+  val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
+                           max_prompt_len=max_prompt_len, total_q=q.shape[0],
+                           total_kv=k.shape[0])
   return _mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
       max_prompt_len=int(max_prompt_len), mask=mask,
       scale=float(head_dim ** -0.5 if scale is None else scale),
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
-      return_lse=bool(return_lse), config=config, interpret=resolve_interpret(interpret))
+      return_lse=bool(return_lse), config=config, interpret=ragged.resolve_interpret(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
 def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
-  head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-  qk_depth, v_depth = ragged.padded_depth(head_dim), ragged.padded_depth(head_dim_v)
-  config = config or default_config(qk_depth, v_depth, q.dtype)
-  result = ragged.ragged_attention(
-      [ragged.pad_depth(q, qk_depth)], [ragged.pad_depth(k, qk_depth)],
-      ragged.pad_depth(v, v_depth), input_row_offsets, kv_input_row_offsets, sink_weights,
+  qk_depth = ragged.padded_depth(q.shape[-1])
+  return ragged.ragged_attention(
+      [ragged.pad_depth(q, qk_depth)], [ragged.pad_depth(k, qk_depth)], v,
+      input_row_offsets, kv_input_row_offsets, sink_weights,
       parts=[ragged.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret)
-  if return_lse:
-    out, lse = result
-    return out[..., :head_dim_v], lse
-  return result[..., :head_dim_v]

@@ -27,8 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_prefill import masks as masks_lib
-from pallas_prefill.config import MhaConfig
+from pallas_prefill.config import MhaConfig, default_config
 
 # Finite stand-in for -inf: a row that sees no key must come out as zeros, never NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -36,6 +35,7 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 EMPTY_ROW_LSE = -1e30
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
+MAX_GRID_DIM = 65535  # CUDA's limit on a launch grid's y and z dimensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +145,10 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
       load_mask = kv_valid[:, None] if masked else None
       s = None
       for part, q in zip(parts, qs):
-        k_ref = k_refs[part.k_index]
+        k_head = jnp.int32(0) if part.shared_k else kv_head
         k = plt.load(
-            k_ref.at[pl.ds(kv_row0, block_kv), 0 if part.shared_k else kv_head,
-                     pl.ds(part.k_col, part.width)],
+            k_refs[part.k_index].at[pl.ds(kv_row0, block_kv), k_head,
+                                    pl.ds(part.k_col, part.width)],
             mask=load_mask, other=0 if masked else None)
         term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -205,26 +205,41 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
 
 def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
                      max_prompt_len, mask, scale, output_dtype, return_lse,
-                     config: MhaConfig, interpret: bool):
-  """Launches the ragged attention kernel on validated, power-of-two-shaped operands.
+                     config: MhaConfig | None, interpret: bool):
+  """Launches the ragged attention kernel on validated operands.
 
   Args:
     q_ops: Q operands, each [total_q, num_heads, depth_i].
     k_ops: K operands, each [total_kv, num_kv_heads or 1, depth_i].
-    v: [total_kv, num_kv_heads, v_depth].
+    v: [total_kv, num_kv_heads, v_depth]; a v_depth that is not a power of two is padded
+      here and the output sliced back.
     q_offsets, kv_offsets: [batch + 1] int32 or uint32; kv_offsets may be None (K/V
       packed like Q).
     sink_weights: [num_heads] or None.
-    parts: the QkPart terms whose sum forms the logits.
+    parts: the QkPart terms whose sum forms the logits; their widths are powers of two.
+    config: None picks ``default_config`` for the summed part widths and v's depth.
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
     float32 when return_lse.
   """
   total_q, num_heads, _ = q_ops[0].shape
-  num_kv_heads = v.shape[1]
+  num_kv_heads, v_depth = v.shape[1], v.shape[2]
   batch = q_offsets.shape[0] - 1
+  if batch > MAX_GRID_DIM:
+    raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_DIM}: it is the launch "
+                     "grid's z dimension, which CUDA limits")
+  if total_q == 0 or v.shape[0] == 0:
+    # No query, or no key anywhere: nothing for a kernel to do (and nothing to index).
+    return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
+                    return_lse)
+  v = pad_depth(v, padded_depth(v_depth))
+  if config is None:
+    config = default_config(sum(p.width for p in parts), v.shape[2], v.dtype, max_prompt_len)
   num_tiles = pl.cdiv(max_prompt_len, config.block_q)
+  if num_tiles > MAX_GRID_DIM:
+    raise ValueError(f"max_prompt_len ({max_prompt_len}) needs {num_tiles} query tiles of "
+                     f"{config.block_q}, more than the grid's limit of {MAX_GRID_DIM}")
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_kv_offsets=kv_offsets is not None, has_sink=sink_weights is not None,
@@ -234,10 +249,10 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   inputs += [kv_offsets] if kv_offsets is not None else []
   inputs += [sink_weights] if sink_weights is not None else []
   inputs += [*q_ops, *k_ops, v]
-  out_shape = [jax.ShapeDtypeStruct((total_q, num_heads, v.shape[-1]), output_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((total_q, num_heads, v.shape[2]), output_dtype)]
   if return_lse:
     out_shape.append(jax.ShapeDtypeStruct((total_q, num_heads), jnp.float32))
-  results = pl.pallas_call(
+  out, *lse = pl.pallas_call(
       kernel,
       grid=(num_heads, num_tiles, batch),
       in_specs=[pl.no_block_spec] * len(inputs),
@@ -248,7 +263,27 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
       interpret=interpret,
       name="ragged_prefill_attention",
   )(*inputs)
-  return tuple(results) if return_lse else results[0]
+  out = out[..., :v_depth]
+  return (out, lse[0]) if return_lse else out
+
+
+def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype, return_lse):
+  """The result when no row sees a key: zeros, and the LSE of the sink alone (the empty
+  row value without one, and for rows past the last offset)."""
+  out = jnp.zeros((total_q, num_heads, v_depth), output_dtype)
+  if not return_lse:
+    return out
+  lse = jnp.full((total_q, num_heads), EMPTY_ROW_LSE, jnp.float32)
+  if sink_weights is not None:
+    last = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, total_q)
+    in_sequence = jnp.arange(total_q)[:, None] < last
+    lse = jnp.where(in_sequence, sink_weights.astype(jnp.float32)[None, :], lse)
+  return out, lse
+
+
+def resolve_interpret(interpret):
+  """interpret=None means the Pallas interpreter exactly when the default backend is the CPU."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 def padded_depth(depth: int) -> int:

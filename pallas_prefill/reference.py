@@ -54,7 +54,7 @@ def _reference(logits_fn, v, input_row_offsets, kv_input_row_offsets, *, num_hea
     vis = ((seq[:, None] == k_seq[None, :]) & valid[:, None] & k_valid[None, :]
            & mask.visible(pos[:, None], k_pos[None, :]))[:, None, :]
     s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = jnp.max(s, axis=-1, initial=-jnp.inf)
     if sink is not None:
       m = jnp.maximum(m, sink[None, :])
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -65,14 +65,64 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
       isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
       or not math.isfinite(scale)):
     raise TypeError(f"scale must be a finite Python float or None, got {scale!r}")
-  if output_dtype is not None and jnp.dtype(output_dtype) not in [
-      jnp.dtype(d) for d in INPUT_DTYPES]:
-    raise TypeError(
-        f"output_dtype must be bfloat16, float16, float32 or None, got {output_dtype}")
+  if output_dtype is not None:
+    try:
+      ok = jnp.dtype(output_dtype) in [jnp.dtype(d) for d in INPUT_DTYPES]
+    except TypeError:
+      ok = False
+    if not ok:
+      raise TypeError("output_dtype must be bfloat16, float16, float32 or None, got "
+                      f"{getattr(output_dtype, '__name__', output_dtype)}")
   if config is not None and not isinstance(config, MhaConfig):
     raise TypeError(f"config must be a pallas_prefill.MhaConfig or None, got {config!r}")
   if interpret not in (None, True, False):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
+
+
+def check_call(q, kv_arrays, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
+               mask, scale, output_dtype, config, interpret):
+  """The static checks MHA and MLA share (each then checks its own depths and heads).
+
+  q is [total_q, num_heads, depth]; kv_arrays maps each K/V argument's name to its array
+  (all [total_kv, heads, depth]).
+  """
+  arrays = {"q": q, **kv_arrays}
+  for name, x in arrays.items():
+    check_array(name, x, 3)
+    check_float_dtype(name, x)
+  if len({jnp.dtype(x.dtype) for x in arrays.values()}) > 1:
+    raise TypeError("q, " + ", ".join(kv_arrays) + " must share a dtype, got "
+                    + ", ".join(str(x.dtype) for x in arrays.values()))
+  rows = {name: x.shape[0] for name, x in kv_arrays.items()}
+  if len(set(rows.values())) > 1:
+    raise ValueError(f"the K/V arrays must have the same number of rows, got {rows}")
+  total_q, total_kv = q.shape[0], next(iter(rows.values()))
+  check_offsets("input_row_offsets", input_row_offsets)
+  if kv_input_row_offsets is None:
+    if total_kv != total_q:
+      raise ValueError(
+          f"without kv_input_row_offsets K/V are packed like Q, so the K/V arrays must have "
+          f"total_q = {total_q} rows, got {total_kv}")
+  else:
+    check_offsets("kv_input_row_offsets", kv_input_row_offsets,
+                  input_row_offsets.shape[0] - 1)
+  check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+                output_dtype=output_dtype, config=config, interpret=interpret)
+
+
+def validate_if_concrete(input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
+                         total_q, total_kv):
+  """validate_offsets on whichever offsets are concrete (under jit they are not checked)."""
+  if is_concrete(input_row_offsets):
+    _validate_one("input_row_offsets", input_row_offsets, total_q, max_prompt_len)
+  if kv_input_row_offsets is not None and is_concrete(kv_input_row_offsets):
+    _validate_one("kv_input_row_offsets", kv_input_row_offsets, total_kv)
+
+
+def check_heads(num_heads, num_kv_heads):
+  if num_kv_heads == 0 or num_heads % num_kv_heads:
+    raise ValueError(
+        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
 def validate_offsets(input_row_offsets, *, max_prompt_len, total_q,
@@ -91,24 +141,28 @@ def validate_offsets(input_row_offsets, *, max_prompt_len, total_q,
       the array, or a sequence has more than max_prompt_len queries. The message names the
       offending sequence.
   """
-  for name, offsets, total in (
-      ("input_row_offsets", input_row_offsets, total_q),
-      ("kv_input_row_offsets", kv_input_row_offsets, total_kv)):
-    if offsets is None:
-      continue
-    off = np.asarray(offsets).astype(np.int64)
-    if off.ndim != 1 or off.shape[0] < 2:
-      raise ValueError(f"{name} must be a vector of length batch + 1 >= 2, got {off.shape}")
-    if off[0] != 0:
-      raise ValueError(f"{name}[0] must be 0, got {off[0]}")
-    lengths = np.diff(off)
-    if (lengths < 0).any():
-      b = int(np.argmax(lengths < 0))
-      raise ValueError(f"{name} must be nondecreasing: {name}[{b + 1}] = {off[b + 1]} < "
-                       f"{name}[{b}] = {off[b]}")
-    if off[-1] > total:
-      raise ValueError(f"{name}[-1] = {off[-1]} is past the {total} rows of the array")
-    if name == "input_row_offsets" and (lengths > max_prompt_len).any():
-      b = int(np.argmax(lengths > max_prompt_len))
-      raise ValueError(f"sequence {b} has {lengths[b]} queries, more than "
-                       f"max_prompt_len = {max_prompt_len}")
+  _validate_one("input_row_offsets", input_row_offsets, total_q, max_prompt_len)
+  if kv_input_row_offsets is not None:
+    if total_kv is None:
+      raise TypeError("validate_offsets needs total_kv, the rows of the K/V arrays, "
+                      "to check kv_input_row_offsets")
+    _validate_one("kv_input_row_offsets", kv_input_row_offsets, total_kv)
+
+
+def _validate_one(name, offsets, total, max_len=None):
+  off = np.asarray(offsets).astype(np.int64)
+  if off.ndim != 1 or off.shape[0] < 2:
+    raise ValueError(f"{name} must be a vector of length batch + 1 >= 2, got {off.shape}")
+  if off[0] != 0:
+    raise ValueError(f"{name}[0] must be 0, got {off[0]}")
+  lengths = np.diff(off)
+  if (lengths < 0).any():
+    b = int(np.argmax(lengths < 0))
+    raise ValueError(f"{name} must be nondecreasing: {name}[{b + 1}] = {off[b + 1]} < "
+                     f"{name}[{b}] = {off[b]}")
+  if off[-1] > total:
+    raise ValueError(f"{name}[-1] = {off[-1]} is past the {total} rows of the array")
+  if max_len is not None and (lengths > max_len).any():
+    b = int(np.argmax(lengths > max_len))
+    raise ValueError(f"sequence {b} has {lengths[b]} queries, more than "
+                     f"max_prompt_len = {max_len}")

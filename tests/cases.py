@@ -18,6 +18,10 @@ CAUSAL = masks.CausalMask()
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+  kind: str = "mha"  # or "mla": head_dim is then d_nope, and rope_dim is d_rope
+  rope_dim: int = 32
+  shared_rope: bool = True  # MLA: k_rope has 1 head (DeepSeek) or num_kv_heads
+  scale: float | None = None
   lens: tuple[int, ...] = (0, 1, 37, 100, 64, 19)  # a 0- and a 1-length sequence
   kv_lens: tuple[int, ...] | None = None  # None: K/V packed like Q
   heads: int = 4
@@ -86,7 +90,31 @@ def _cases():
   ]
 
 
+def _mla_cases():
+  base = Case(kind="mla", heads=4, kv_heads=4, head_dim=64, rope_dim=32)
+  r = dataclasses.replace
+  return [
+      base,
+      r(base, shared_rope=False),
+      r(base, kv_heads=2),  # GQA latent
+      r(base, kv_heads=2, shared_rope=False, lse=True),
+      r(base, head_dim=128, rope_dim=64, config=None),  # DeepSeek's depths, fewer heads
+      r(base, mask=masks.NullMask()),
+      r(base, mask=masks.SlidingWindowCausalMask(24)),
+      r(base, mask=masks.ChunkedCausalMask(32), lse=True),
+      r(base, lse=True, output_dtype="float32"),
+      r(base, scale=0.05),
+      r(base, kv_lens=(5, 1, 90, 100, 64, 50), lse=True),
+      r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=masks.NullMask(), lse=True),
+      r(base, kv_lens=(3, 0, 10, 60, 64, 0), lse=True),
+      r(base, head_dim=48, rope_dim=24, head_dim_v=40),  # padded depths
+      r(base, dtype="float16", offsets_dtype="uint32"),
+      r(base, dtype="float32"),
+  ]
+
+
 CASES = _cases()
+MLA_CASES = _mla_cases()
 
 TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 5e-3}
 
@@ -104,16 +132,24 @@ def make_inputs(case: Case, seed: int):
   total_kv = total_q if case.kv_lens is None else int(kv_off[-1]) + 3
   dv = case.head_dim_v or case.head_dim
   dt = jnp.dtype(case.dtype)
-  q = jnp.asarray(rng.standard_normal((total_q, case.heads, case.head_dim)), dt)
-  k = jnp.asarray(rng.standard_normal((total_kv, case.kv_heads, case.head_dim)), dt)
-  v = jnp.asarray(rng.standard_normal((total_kv, case.kv_heads, dv)), dt)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dt)
+  v = normal(total_kv, case.kv_heads, dv)
+  if case.kind == "mha":
+    arrays = (normal(total_q, case.heads, case.head_dim),
+              normal(total_kv, case.kv_heads, case.head_dim), v)
+  else:
+    rope_heads = 1 if case.shared_rope else case.kv_heads
+    arrays = (normal(total_q, case.heads, case.head_dim + case.rope_dim),
+              normal(total_kv, case.kv_heads, case.head_dim),
+              normal(total_kv, rope_heads, case.rope_dim), v)
   kwargs = dict(max_prompt_len=max(max(case.lens), 1) + case.extra_prompt_len,
-                mask=case.mask, return_lse=case.lse, output_dtype=case.output_dtype)
+                mask=case.mask, return_lse=case.lse, output_dtype=case.output_dtype,
+                scale=case.scale)
   if case.kv_lens is not None:
     kwargs["kv_input_row_offsets"] = jnp.asarray(kv_off, case.offsets_dtype)
   if case.sink:
     kwargs["sink_weights"] = jnp.asarray(rng.standard_normal(case.heads) * 2, jnp.float32)
-  return (q, k, v, jnp.asarray(q_off, case.offsets_dtype)), kwargs, int(q_off[-1])
+  return (*arrays, jnp.asarray(q_off, case.offsets_dtype)), kwargs, int(q_off[-1])
 
 
 def rel_err(x, ref) -> float:
@@ -142,6 +178,12 @@ def check_outputs(case, result, expected, last_row, seed):
   return err
 
 
+ENTRY_POINTS = {
+    "mha": (pp.mha_prefill, pp.reference.mha_prefill_reference),
+    "mla": (pp.mla_prefill, pp.reference.mla_prefill_reference),
+}
+
+
 def check_case(case: Case, *, interpret: bool, poison=None):
   """Runs `case` on fresh random inputs and compares it with the float32 reference.
 
@@ -150,9 +192,10 @@ def check_case(case: Case, *, interpret: bool, poison=None):
   """
   seed = fresh_seed()
   args, kwargs, last_row = make_inputs(case, seed)
-  expected = pp.reference.mha_prefill_reference(*args, **kwargs)
+  kernel, reference = ENTRY_POINTS[case.kind]
+  expected = reference(*args, **kwargs)
   if poison is not None:
     poison()
-  result = pp.mha_prefill(*args, config=case.config, interpret=interpret, **kwargs)
+  result = kernel(*args, config=case.config, interpret=interpret, **kwargs)
   jax.block_until_ready(result)
   return check_outputs(case, result, expected, last_row, seed)

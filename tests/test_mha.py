@@ -35,6 +35,7 @@ def test_default_scale_and_custom_scale_differ():
   case = cases.Case()
   seed = cases.fresh_seed()
   args, kwargs, _ = cases.make_inputs(case, seed)
+  del kwargs["scale"]
   out = pp.mha_prefill(*args, scale=0.3, config=case.config, **kwargs)
   ref = pp.reference.mha_prefill_reference(*args, scale=0.3, **kwargs)
   default = pp.reference.mha_prefill_reference(*args, **kwargs)
@@ -69,3 +70,31 @@ def test_max_prompt_len_exceeded_under_jit_writes_zeros_not_garbage():
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all()
   assert not out[64:100].any()  # rows past max_prompt_len's tiles are zeros
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_no_rows_at_all(sink):
+  """An empty Q, or K/V with no rows: zeros, and the sink alone in the LSE."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  sink_weights = jnp.asarray(rng.standard_normal(2), jnp.float32) if sink else None
+  out, lse = pp.mha_prefill(x(0, 2, 16), x(0, 2, 16), x(0, 2, 16),
+                            jnp.array([0, 0], jnp.int32), max_prompt_len=8,
+                            sink_weights=sink_weights, return_lse=True)
+  assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+  kv_off = jnp.array([0, 0, 0], jnp.int32)
+  args = (x(9, 2, 16), x(0, 2, 16), x(0, 2, 8), jnp.array([0, 3, 8], jnp.int32))
+  kwargs = dict(max_prompt_len=8, kv_input_row_offsets=kv_off, sink_weights=sink_weights,
+                mask=pp.masks.NullMask(), return_lse=True)
+  out, lse = pp.mha_prefill(*args, **kwargs)
+  ref, ref_lse = pp.reference.mha_prefill_reference(*args, **kwargs)
+  assert out.shape == (9, 2, 8) and not np.asarray(out, np.float32).any()
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
+
+
+def test_batch_beyond_the_launch_grid_is_refused():
+  total = 65536
+  q = jnp.zeros((total, 1, 16), jnp.bfloat16)
+  off = jnp.arange(total + 1, dtype=jnp.int32)
+  with pytest.raises(ValueError, match=r"batch \(65536\) must be at most 65535"):
+    pp.mha_prefill(q, q, q, off, max_prompt_len=1)

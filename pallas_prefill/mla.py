@@ -1,0 +1,111 @@
+"""Ragged multi-head latent attention prefill (DeepSeek-V2/V3 style): the public entry point.
+
+MLA forms its logits from two products, ``q_nope . k_nope`` against per-head keys and
+``q_rope . k_rope`` against a rotary key that one head (or each KV head) holds; everything
+else, softmax, masks, offsets, tiling, is the kernel in ``pallas_prefill.ragged`` that MHA
+uses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_prefill import masks as masks_lib
+from pallas_prefill import ragged
+from pallas_prefill import validation as val
+
+
+def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
+                kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
+                output_dtype=None, return_lse=False, config=None, interpret=None):
+  """Multi-head latent attention prefill over a ragged (packed) batch.
+
+  logits = (q_nope . k_nope + q_rope . k_rope) * scale, where q_nope and q_rope are the
+  first d_nope and last d_rope columns of q. Unlike MAX's ``mla_prefill_v2_ragged``, whose
+  rope operand is unused, this computes the rope term (the contract of MAX's older
+  ``flare_mla_prefill``). Offsets, positions (start_pos = kv_len - q_len), masks, LSE,
+  output_dtype, config, interpret, validation and clamping are exactly as in
+  ``mha_prefill``.
+
+  Args:
+    q: [total_q, num_heads, d_nope + d_rope], bfloat16, float16 or float32; nope first.
+    k_nope: [total_kv, num_kv_heads, d_nope], same dtype; num_heads % num_kv_heads == 0.
+    k_rope: [total_kv, 1 or num_kv_heads, d_rope], same dtype; 1 head is shared by every
+      query head (DeepSeek).
+    v: [total_kv, num_kv_heads, d_v], same dtype.
+    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
+    max_prompt_len: static int >= every sequence's query count.
+    kv_input_row_offsets: optional [batch + 1] K/V row offsets (cached prefix or
+      cross-attention); None: K/V packed like Q.
+    mask: a ``pallas_prefill.masks`` mask (default causal).
+    scale: logit scale, a static float; default 1/sqrt(d_nope + d_rope). Pass a
+      YaRN-corrected scale here.
+    output_dtype: default q.dtype.
+    return_lse: also return the float32 natural-log log-sum-exp [total_q, num_heads].
+    config: a ``MhaConfig``; None picks the tuned default (DeepSeek-V3's 128 heads,
+      128 + 64, d_v 128 is the tuned case).
+    interpret: None means interpret mode exactly when the default backend is the CPU.
+
+  Depths up to 256 each; powers of two (>= 16) run natively, others are zero-padded.
+
+  Returns:
+    out [total_q, num_heads, d_v] in output_dtype, or (out, lse) when return_lse.
+
+  Raises:
+    TypeError, ValueError: as ``mha_prefill``, plus q's depth not d_nope + d_rope, k_rope
+      with neither 1 nor num_kv_heads heads, and K/V arrays whose rows differ.
+  """
+  val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
+                 kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
+                 scale=scale, output_dtype=output_dtype, config=config,
+                 interpret=interpret)
+  num_heads, depth = q.shape[1:]
+  num_kv_heads, d_nope = k_nope.shape[1:]
+  d_rope = k_rope.shape[2]
+  if depth != d_nope + d_rope:
+    raise ValueError(f"q's depth ({depth}) must be d_nope + d_rope = {d_nope} + {d_rope} "
+                     f"(k_nope {k_nope.shape}, k_rope {k_rope.shape})")
+  if k_rope.shape[1] not in (1, num_kv_heads):
+    raise ValueError(f"k_rope must have 1 or num_kv_heads = {num_kv_heads} heads, got "
+                     f"{k_rope.shape[1]}")
+  if v.shape[1] != num_kv_heads:
+    raise ValueError(f"v must have num_kv_heads = {num_kv_heads} heads like k_nope, got "
+                     f"{v.shape[1]}")
+  val.check_heads(num_heads, num_kv_heads)
+  for name, d in (("d_nope", d_nope), ("d_rope", d_rope), ("d_v", v.shape[2])):
+    val.check_head_dim(name, d)
+  val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
+                           max_prompt_len=max_prompt_len, total_q=q.shape[0],
+                           total_kv=k_nope.shape[0])
+  return _mla_prefill(
+      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
+      max_prompt_len=int(max_prompt_len), mask=mask,
+      scale=float(depth ** -0.5 if scale is None else scale),
+      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
+      return_lse=bool(return_lse), config=config,
+      interpret=ragged.resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
+def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
+                 max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+  d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
+  w_nope, w_rope = ragged.padded_depth(d_nope), ragged.padded_depth(d_rope)
+  shared = k_rope.shape[1] == 1
+  if (w_nope, w_rope) == (d_nope, d_rope):
+    # Both halves are powers of two: the kernel reads them straight out of q.
+    q_ops, rope_part = [q], ragged.QkPart(0, d_nope, 1, 0, d_rope, shared_k=shared)
+  else:
+    q_ops = [ragged.pad_depth(q[..., :d_nope], w_nope),
+             ragged.pad_depth(q[..., d_nope:], w_rope)]
+    rope_part = ragged.QkPart(1, 0, 1, 0, w_rope, shared_k=shared)
+  return ragged.ragged_attention(
+      q_ops, [ragged.pad_depth(k_nope, w_nope), ragged.pad_depth(k_rope, w_rope)], v,
+      input_row_offsets, kv_input_row_offsets, None,
+      parts=[ragged.QkPart(0, 0, 0, 0, w_nope), rope_part],
+      max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
+      return_lse=return_lse, config=config, interpret=interpret)

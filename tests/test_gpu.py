@@ -1,0 +1,61 @@
+"""The shared case matrix compiled on a real GPU (skipped on the CPU; benchmarks/h200.sh runs
+it on the H200), plus sizes that interpret mode is too slow for."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_prefill as pp
+from pallas_prefill import masks
+from tests import cases
+
+pytestmark = pytest.mark.gpu
+
+
+def poison_device_memory(num_bytes=1 << 30):
+  """Fills memory the allocator is about to hand out with NaN, so unwritten rows show."""
+  x = jnp.full((num_bytes // 4,), jnp.nan, jnp.float32)
+  x.block_until_ready()
+  x.delete()
+
+
+_LARGE = cases.Case(lens=(0, 1, 1000, 2048, 77, 513, 4096), heads=32, kv_heads=8,
+                    head_dim=128, config=None, extra_rows=100)
+_DEEPSEEK = cases.Case(kind="mla", lens=(0, 1, 1000, 2048, 77, 513), heads=128,
+                       kv_heads=128, head_dim=128, rope_dim=64, config=None, extra_rows=50)
+GPU_CASES = cases.CASES + cases.MLA_CASES + [
+    _DEEPSEEK,
+    dataclasses.replace(_DEEPSEEK, kv_lens=(5, 1, 3000, 2048, 900, 513), lse=True),
+    dataclasses.replace(_DEEPSEEK, mask=masks.SlidingWindowCausalMask(300), heads=16,
+                        kv_heads=16, shared_rope=False),
+    _LARGE,
+    dataclasses.replace(_LARGE, lse=True, sink=True),
+    dataclasses.replace(_LARGE, mask=masks.SlidingWindowCausalMask(512)),
+    dataclasses.replace(_LARGE, mask=masks.ChunkedCausalMask(1024)),
+    dataclasses.replace(_LARGE, mask=masks.NullMask(), lens=(1000, 2048, 77)),
+    dataclasses.replace(_LARGE, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000), lse=True),
+    dataclasses.replace(_LARGE, kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True,
+                        mask=masks.NullMask()),
+    dataclasses.replace(_LARGE, head_dim=64, heads=16, kv_heads=16),
+    dataclasses.replace(_LARGE, head_dim=256, heads=8, kv_heads=1),
+    dataclasses.replace(_LARGE, dtype="float16", output_dtype="float32"),
+]
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_compiled_matches_reference(case):
+  cases.check_case(case, interpret=False, poison=poison_device_memory)
+
+
+def test_compiled_garbage_offsets_stay_finite():
+  case = cases.Case(lse=True)
+  (q, k, v, _), _, _ = cases.make_inputs(case, cases.fresh_seed())
+  total = q.shape[0]
+  fn = jax.jit(lambda off: pp.mha_prefill(q, k, v, off, max_prompt_len=64,
+                                          return_lse=True, interpret=False))
+  for off in ([7, 300, 2, 100, total + 50, -3, 40], [0, total, 0, total, 5, 5, total * 4]):
+    poison_device_memory()
+    out, lse = fn(jnp.asarray(off, jnp.int32))
+    assert jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all()
