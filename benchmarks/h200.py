@@ -1,13 +1,15 @@
 """Correctness and speed of pallas_prefill on the anchor workloads, on the GPU.
 
     python -m benchmarks.h200 [--workloads equal4x4096 ...]
-        [--kernels mha mla] [--sweep mla] [--out results.json]
+        [--kernels mha mla] [--sweep mla] [--no-chunked] [--out results.json]
 
 Every figure is the median per-call time of 5 rounds of 20 calls after warm-up, the calls
 rotating over 3 input sets, with useful TFLOP/s counted as in anchors-h200.md. Every
 output is compared with the float32 reference computed on the GPU; a figure counts only
 when that error is under 2e-2. cuDNN through jax.nn.dot_product_attention on the padded
 batch is timed in the same run as an anchor, and the bf16 matmul rate as the ceiling.
+The chunked-prefill workload (8 x 512 new tokens over 0 to 8k cached, pages of 64) times
+the paged cache against the same K/V packed contiguously.
 """
 
 from __future__ import annotations
@@ -147,6 +149,64 @@ def run_workload(kind, name, lengths, configs, rows):
   del sets, padded, ref
 
 
+CHUNKED_NEW = [512] * 8
+CHUNKED_CACHE = [0, 1024, 2048, 3072, 4096, 5120, 6144, 8192]
+PAGE_SIZE = 64
+
+
+def chunked_inputs(kind, seed):
+  """Chunked prefill: 8 x 512 new tokens over 0 to 8k cached, K/V in shuffled pages of 64.
+  Returns the paged operands and the same K/V packed contiguously with kv offsets."""
+  q_lens, cache = np.array(CHUNKED_NEW), np.array(CHUNKED_CACHE)
+  kv_lens = cache + q_lens
+  pages_per_seq = -(-kv_lens // PAGE_SIZE)
+  max_pages, num_pages = int(pages_per_seq.max()), int(pages_per_seq.sum())
+  rng = np.random.default_rng(seed)
+  order = iter(rng.permutation(num_pages))
+  table = np.zeros((len(q_lens), max_pages), np.int32)
+  for b, n in enumerate(pages_per_seq):
+    table[b, :n] = [next(order) for _ in range(n)]
+  q, *kv, _ = inputs(kind, [num_pages * PAGE_SIZE], seed)  # K/V rows become the pages
+  q = q[:int(q_lens.sum())]
+  pages = [x.reshape(num_pages, PAGE_SIZE, *x.shape[1:]) for x in kv]
+  table_j, cache_j = jnp.asarray(table), jnp.asarray(cache, jnp.int32)
+  paged = [pp.PagedKV(p, table_j, cache_j) for p in pages]
+  rows = np.concatenate([table[b, np.arange(n) // PAGE_SIZE] * PAGE_SIZE + np.arange(n) %
+                         PAGE_SIZE for b, n in enumerate(kv_lens)])
+  packed = [x[rows] for x in kv]
+  q_off, kv_off = jnp.asarray(wl.offsets(q_lens)), jnp.asarray(wl.offsets(kv_lens))
+  return (q, *paged, q_off), (q, *packed, q_off, kv_off)
+
+
+def run_chunked(kind, rows):
+  """Paged against contiguous on the same logical K/V, one run."""
+  sets = [chunked_inputs(kind, s) for s in range(3)]
+  kv_lens = list(np.array(CHUNKED_CACHE) + CHUNKED_NEW)
+  if kind == "mha":
+    flops = wl.useful_flops(CHUNKED_NEW, MHA_SHAPE["heads"], MHA_SHAPE["head_dim"],
+                            MHA_SHAPE["head_dim"], kv_lens=kv_lens)
+  else:
+    flops = wl.useful_flops(CHUNKED_NEW, MLA_SHAPE["heads"],
+                            MLA_SHAPE["d_nope"] + MLA_SHAPE["d_rope"], MLA_SHAPE["d_v"],
+                            kv_lens=kv_lens)
+  kernel, reference = ENTRY[kind]
+  max_len = max(CHUNKED_NEW)
+  *packed_args, kv_off = sets[0][1]
+  ref = reference(*packed_args, max_prompt_len=max_len, kv_input_row_offsets=kv_off)
+  paged_fn = jax.jit(lambda *a: kernel(*a, max_prompt_len=max_len))
+  packed_fn = jax.jit(lambda *a: kernel(*a[:-1], max_prompt_len=max_len,
+                                        kv_input_row_offsets=a[-1]))
+  for system, fn, args in (("pallas_prefill_paged", paged_fn, [s[0] for s in sets]),
+                           ("pallas_prefill", packed_fn, [s[1] for s in sets])):
+    err = rel_err(fn(*args[0]), ref)
+    sec = bench(fn, args)
+    row = dict(kernel=kind, workload="chunked8x512_page64", system=system, config=None,
+               ms=sec * 1e3, tflops=flops / sec / 1e12, relerr=err, correct=err < 2e-2)
+    rows.append(row)
+    print(f"  {kind} chunked8x512  {system:20s} {row['ms']:8.3f} ms {row['tflops']:6.1f} "
+          f"TFLOP/s  err {err:.1e}", flush=True)
+
+
 def dataclass_tuple(cfg):
   return (cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.num_stages)
 
@@ -162,6 +222,8 @@ def main(argv=None):
   parser.add_argument("--sweep", nargs="*", default=[], choices=["mha", "mla"],
                       help="kernels for which to time every config in SWEEP too")
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
+  parser.add_argument("--no-chunked", dest="chunked", action="store_false",
+                      help="skip the chunked-prefill workload (paged against contiguous)")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     sys.exit("benchmarks.h200 needs a GPU")
@@ -173,6 +235,8 @@ def main(argv=None):
     configs = [None] + (SWEEP if kind in args.sweep else [])
     for name in args.workloads:
       run_workload(kind, name, wl.WORKLOADS[name], configs, rows)
+    if args.chunked:
+      run_chunked(kind, rows)
   print("\n| kernel | workload | system | config | ms | useful TFLOP/s | rel. error |")
   print("|---|---|---|---|---|---|---|")
   best = {}

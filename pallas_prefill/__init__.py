@@ -5,10 +5,15 @@ is in ``pallas_prefill.ragged``.
 """
 
 from pallas_prefill import masks
+from pallas_prefill import paged
 from pallas_prefill import reference
 from pallas_prefill.config import MhaConfig
 from pallas_prefill.mha import mha_prefill
 from pallas_prefill.mla import mla_prefill
+from pallas_prefill.paged import PagedKV
 from pallas_prefill.validation import validate_offsets
 
-__all__ = ["MhaConfig", "masks", "mha_prefill", "mla_prefill", "reference", "validate_offsets"]
+__all__ = [
+    "MhaConfig", "PagedKV", "masks", "mha_prefill", "mla_prefill", "paged", "reference",
+    "validate_offsets",
+]

@@ -64,13 +64,13 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                  output_dtype=output_dtype, config=config, interpret=interpret)
   num_heads, head_dim = q.shape[1:]
-  if k.shape[2] != head_dim:
+  if k.shape[-1] != head_dim:
     raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-  if v.shape[1] != k.shape[1]:
+  if v.shape[-2] != k.shape[-2]:
     raise ValueError(f"k and v must have the same number of heads: k {k.shape}, v {v.shape}")
-  val.check_heads(num_heads, k.shape[1])
+  val.check_heads(num_heads, k.shape[-2])
   val.check_head_dim("head_dim", head_dim)
-  val.check_head_dim("head_dim_v", v.shape[2])
+  val.check_head_dim("head_dim_v", v.shape[-1])
   if sink_weights is not None:
     val.check_array("sink_weights", sink_weights, 1)
     if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
@@ -78,8 +78,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
                        f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
-                           max_prompt_len=max_prompt_len, total_q=q.shape[0],
-                           total_kv=k.shape[0])
+                           max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
   return _mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
       max_prompt_len=int(max_prompt_len), mask=mask,
@@ -93,9 +92,10 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
 def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
   qk_depth = ragged.padded_depth(q.shape[-1])
+  k, v, paged = ragged.unpage(k, v)
   return ragged.ragged_attention(
       [ragged.pad_depth(q, qk_depth)], [ragged.pad_depth(k, qk_depth)], v,
-      input_row_offsets, kv_input_row_offsets, sink_weights,
+      input_row_offsets, kv_input_row_offsets, sink_weights, paged=paged,
       parts=[ragged.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret)

@@ -63,23 +63,22 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                  scale=scale, output_dtype=output_dtype, config=config,
                  interpret=interpret)
   num_heads, depth = q.shape[1:]
-  num_kv_heads, d_nope = k_nope.shape[1:]
-  d_rope = k_rope.shape[2]
+  num_kv_heads, d_nope = k_nope.shape[-2:]
+  d_rope = k_rope.shape[-1]
   if depth != d_nope + d_rope:
     raise ValueError(f"q's depth ({depth}) must be d_nope + d_rope = {d_nope} + {d_rope} "
                      f"(k_nope {k_nope.shape}, k_rope {k_rope.shape})")
-  if k_rope.shape[1] not in (1, num_kv_heads):
+  if k_rope.shape[-2] not in (1, num_kv_heads):
     raise ValueError(f"k_rope must have 1 or num_kv_heads = {num_kv_heads} heads, got "
-                     f"{k_rope.shape[1]}")
-  if v.shape[1] != num_kv_heads:
+                     f"{k_rope.shape[-2]}")
+  if v.shape[-2] != num_kv_heads:
     raise ValueError(f"v must have num_kv_heads = {num_kv_heads} heads like k_nope, got "
-                     f"{v.shape[1]}")
+                     f"{v.shape[-2]}")
   val.check_heads(num_heads, num_kv_heads)
-  for name, d in (("d_nope", d_nope), ("d_rope", d_rope), ("d_v", v.shape[2])):
+  for name, d in (("d_nope", d_nope), ("d_rope", d_rope), ("d_v", v.shape[-1])):
     val.check_head_dim(name, d)
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
-                           max_prompt_len=max_prompt_len, total_q=q.shape[0],
-                           total_kv=k_nope.shape[0])
+                           max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k_nope)
   return _mla_prefill(
       q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
       max_prompt_len=int(max_prompt_len), mask=mask,
@@ -93,9 +92,10 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
 def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+  k_nope, k_rope, v, paged = ragged.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
   w_nope, w_rope = ragged.padded_depth(d_nope), ragged.padded_depth(d_rope)
-  shared = k_rope.shape[1] == 1
+  shared = k_rope.shape[-2] == 1
   if (w_nope, w_rope) == (d_nope, d_rope):
     # Both halves are powers of two: the kernel reads them straight out of q.
     q_ops, rope_part = [q], ragged.QkPart(0, d_nope, 1, 0, d_rope, shared_k=shared)
@@ -105,7 +105,7 @@ def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, 
     rope_part = ragged.QkPart(1, 0, 1, 0, w_rope, shared_k=shared)
   return ragged.ragged_attention(
       q_ops, [ragged.pad_depth(k_nope, w_nope), ragged.pad_depth(k_rope, w_rope)], v,
-      input_row_offsets, kv_input_row_offsets, None,
+      input_row_offsets, kv_input_row_offsets, None, paged=paged,
       parts=[ragged.QkPart(0, 0, 0, 0, w_nope), rope_part],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret)

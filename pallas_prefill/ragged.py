@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_prefill.config import MhaConfig, default_config
+from pallas_prefill.paged import PagedKV
 
 # Finite stand-in for -inf: a row that sees no key must come out as zeros, never NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -86,11 +87,12 @@ def _zero_rows(o_ref, lse_ref, h, first, end, stride, block):
   lax.fori_loop(0, trips, body, 0)
 
 
-def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, scale,
+def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_tiles, group):
   refs = list(refs)
   q_off_ref = refs.pop(0)
-  kv_off_ref = refs.pop(0) if has_kv_offsets else q_off_ref
+  kv_off_ref = refs.pop(0) if kv_layout == "offsets" else None
+  table_ref, cache_ref = (refs.pop(0), refs.pop(0)) if kv_layout == "paged" else (None, None)
   sink_ref = refs.pop(0) if has_sink else None
   q_refs, refs = refs[:n_q], refs[n_q:]
   k_refs, refs = refs[:n_k], refs[n_k:]
@@ -107,13 +109,31 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
   total_q = o_ref.shape[0]
   q_start, q_end = _read_range(q_off_ref, b, total_q, force_zero_start=True)
   q_len = q_end - q_start
-  if has_kv_offsets:
+  if kv_layout == "offsets":
     total_kv = v_ref.shape[0]
     kv_start, kv_end = _read_range(kv_off_ref, b, total_kv, force_zero_start=False)
     kv_len = kv_end - kv_start
+  elif kv_layout == "paged":
+    num_pages, page_size = v_ref.shape[:2]
+    max_pages = table_ref.shape[1]
+    capacity = max_pages * page_size
+    cache_len = jnp.clip(cache_ref[b].astype(jnp.int32), 0, capacity)
+    kv_start, kv_len = None, jnp.minimum(cache_len + q_len, capacity)
   else:
     kv_start, kv_len = q_start, q_len
   start_pos = kv_len - q_len
+
+  def kv_tile(j):
+    """The K/V tile j of this sequence: a function (ref, head, cols) -> ref view."""
+    if kv_layout != "paged":
+      kv_row0 = kv_start + j * block_kv
+      return lambda ref, head, cols: ref.at[pl.ds(kv_row0, block_kv), head, cols]
+    pos = j * block_kv  # block_kv divides page_size: the tile lies inside one page
+    slot = jnp.clip(lax.div(pos, page_size), 0, max_pages - 1)
+    page = jnp.clip(table_ref[b, slot].astype(jnp.int32), 0, num_pages - 1)
+    row = lax.rem(pos, page_size)
+    return lambda ref, head, cols: ref.at[page, pl.ds(row, block_kv), head, cols]
+
   row0 = tile * block_q
 
   @pl.when(row0 < q_len)
@@ -139,17 +159,15 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
 
     def body(j, carry, *, masked):
       acc, m_prev, l_prev = carry
-      kv_row0 = kv_start + j * block_kv
+      tile_at = kv_tile(j)
       cols = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
       kv_valid = cols < kv_len
       load_mask = kv_valid[:, None] if masked else None
       s = None
       for part, q in zip(parts, qs):
         k_head = jnp.int32(0) if part.shared_k else kv_head
-        k = plt.load(
-            k_refs[part.k_index].at[pl.ds(kv_row0, block_kv), k_head,
-                                    pl.ds(part.k_col, part.width)],
-            mask=load_mask, other=0 if masked else None)
+        k = plt.load(tile_at(k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
+                     mask=load_mask, other=0 if masked else None)
         term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
         s = term if s is None else s + term
@@ -163,7 +181,7 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
       if masked:
         p = jnp.where(visible, p, 0.0)
       l_new = l_prev * alpha + jnp.sum(p, axis=1)
-      v = plt.load(v_ref.at[pl.ds(kv_row0, block_kv), kv_head, :],
+      v = plt.load(tile_at(v_ref, kv_head, slice(None)),
                    mask=load_mask, other=0 if masked else None)
       acc = acc * alpha[:, None] + lax.dot_general(
           p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -205,16 +223,19 @@ def _kernel(*refs, parts, n_q, n_k, has_kv_offsets, has_sink, has_lse, mask, sca
 
 def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
                      max_prompt_len, mask, scale, output_dtype, return_lse,
-                     config: MhaConfig | None, interpret: bool):
+                     config: MhaConfig | None, interpret: bool, paged=None):
   """Launches the ragged attention kernel on validated operands.
 
   Args:
     q_ops: Q operands, each [total_q, num_heads, depth_i].
-    k_ops: K operands, each [total_kv, num_kv_heads or 1, depth_i].
-    v: [total_kv, num_kv_heads, v_depth]; a v_depth that is not a power of two is padded
-      here and the output sliced back.
+    k_ops: K operands, each [total_kv, num_kv_heads or 1, depth_i], or with `paged`
+      [num_pages, page_size, num_kv_heads or 1, depth_i].
+    v: [total_kv, num_kv_heads, v_depth] (paged: [num_pages, page_size, ...]); a v_depth
+      that is not a power of two is padded here and the output sliced back.
     q_offsets, kv_offsets: [batch + 1] int32 or uint32; kv_offsets may be None (K/V
-      packed like Q).
+      packed like Q, or paged).
+    paged: None, or (block_table [batch, max_pages] int32, cache_lengths [batch] int32)
+      when the K/V operands are pages.
     sink_weights: [num_heads] or None.
     parts: the QkPart terms whose sum forms the logits; their widths are powers of two.
     config: None picks ``default_config`` for the summed part widths and v's depth.
@@ -224,7 +245,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
     float32 when return_lse.
   """
   total_q, num_heads, _ = q_ops[0].shape
-  num_kv_heads, v_depth = v.shape[1], v.shape[2]
+  num_kv_heads, v_depth = v.shape[-2], v.shape[-1]
   batch = q_offsets.shape[0] - 1
   if batch > MAX_GRID_DIM:
     raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_DIM}: it is the launch "
@@ -235,21 +256,26 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
   if config is None:
-    config = default_config(sum(p.width for p in parts), v.shape[2], v.dtype, max_prompt_len)
+    config = default_config(sum(p.width for p in parts), v.shape[-1], v.dtype, max_prompt_len)
+  if paged is not None and config.block_kv > v.shape[1]:
+    # KV tiles follow the page boundaries: no tile spans two pages.
+    config = dataclasses.replace(config, block_kv=v.shape[1])
   num_tiles = pl.cdiv(max_prompt_len, config.block_q)
   if num_tiles > MAX_GRID_DIM:
     raise ValueError(f"max_prompt_len ({max_prompt_len}) needs {num_tiles} query tiles of "
                      f"{config.block_q}, more than the grid's limit of {MAX_GRID_DIM}")
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
-      has_kv_offsets=kv_offsets is not None, has_sink=sink_weights is not None,
+      kv_layout="paged" if paged is not None else (
+          "offsets" if kv_offsets is not None else "packed"), has_sink=sink_weights is not None,
       has_lse=return_lse, mask=mask, scale=scale * _LOG2_E, block_q=config.block_q,
       block_kv=config.block_kv, num_tiles=num_tiles, group=num_heads // num_kv_heads)
   inputs = [q_offsets]
   inputs += [kv_offsets] if kv_offsets is not None else []
+  inputs += list(paged) if paged is not None else []
   inputs += [sink_weights] if sink_weights is not None else []
   inputs += [*q_ops, *k_ops, v]
-  out_shape = [jax.ShapeDtypeStruct((total_q, num_heads, v.shape[2]), output_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((total_q, num_heads, v.shape[-1]), output_dtype)]
   if return_lse:
     out_shape.append(jax.ShapeDtypeStruct((total_q, num_heads), jnp.float32))
   out, *lse = pl.pallas_call(
@@ -289,6 +315,15 @@ def resolve_interpret(interpret):
 def padded_depth(depth: int) -> int:
   """The power-of-two depth (at least 16, the smallest matrix-instruction K) a depth runs at."""
   return max(16, 1 << (depth - 1).bit_length())
+
+
+def unpage(*operands):
+  """The arrays behind K/V operands, plus (block_table, cache_lengths) when they are
+  PagedKV (taken from the first: all share one block table) or None."""
+  if not isinstance(operands[0], PagedKV):
+    return (*operands, None)
+  first = operands[0]
+  return (*(x.pages for x in operands), (first.block_table, first.cache_lengths))
 
 
 def pad_depth(x, depth: int):

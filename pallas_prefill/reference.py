@@ -2,7 +2,7 @@
 
 Dense over all packed rows (a query sees a key iff both belong to the same sequence and
 the mask allows it), processed in blocks of query rows to bound memory. Works with traced
-offsets. The matrix products run at HIGHEST precision so that the reference is float32 on
+offsets. Paged K/V (``PagedKV``) is first gathered into a contiguous layout. The matrix products run at HIGHEST precision so that the reference is float32 on
 the GPU too, not TF32.
 """
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_prefill import masks as masks_lib
+from pallas_prefill.paged import PagedKV
 from pallas_prefill.ragged import EMPTY_ROW_LSE
 
 _HI = lax.Precision.HIGHEST
@@ -29,16 +30,43 @@ def _row_positions(offsets, total):
   return seq, rows - offsets[seq], valid
 
 
-def _reference(logits_fn, v, input_row_offsets, kv_input_row_offsets, *, num_heads, total_q,
+def _gather_pages(kv: PagedKV):
+  """A paged operand laid out contiguously: [batch * capacity, heads, depth], sequence b's
+  position p at row b * capacity + p (capacity = max_pages_per_seq * page_size)."""
+  batch, max_pages = kv.block_table.shape
+  pos = jnp.arange(max_pages * kv.page_size)
+  pages = jnp.clip(kv.block_table[:, pos // kv.page_size], 0, kv.pages.shape[0] - 1)
+  return kv.pages[pages, pos % kv.page_size].reshape(-1, *kv.pages.shape[2:])
+
+
+def _unpage(input_row_offsets, kv_input_row_offsets, *operands):
+  """Contiguous K/V operands and each key row's (sequence, position, validity), plus the
+  K/V length of each sequence, for arrays with offsets or for PagedKV."""
+  q_off = input_row_offsets.astype(jnp.int32)
+  if isinstance(operands[0], PagedKV):
+    first = operands[0]
+    capacity = first.block_table.shape[1] * first.page_size
+    kv_lens = first.cache_lengths.astype(jnp.int32) + jnp.diff(q_off)
+    rows = jnp.arange(first.block_table.shape[0] * capacity, dtype=jnp.int32)
+    k_seq, k_pos = rows // capacity, rows % capacity
+    valid = k_pos < kv_lens[k_seq]
+    # Slots past a sequence's K/V hold whatever the cache had (NaN, say): zero them.
+    contiguous = [jnp.where(valid[:, None, None], _gather_pages(x), 0) for x in operands]
+    return contiguous, (k_seq, k_pos, valid), kv_lens
+  kv_off = q_off if kv_input_row_offsets is None else kv_input_row_offsets.astype(jnp.int32)
+  return list(operands), _row_positions(kv_off, operands[0].shape[0]), jnp.diff(kv_off)
+
+
+def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, total_q,
                mask, scale, sink_weights, output_dtype, return_lse, block_rows=256):
-  """logits_fn(row_start, rows) -> [rows, num_heads, total_kv] float32 unscaled logits."""
-  total_kv, num_kv_heads, v_depth = v.shape
+  """logits_fn(row_start, rows) -> [rows, num_heads, total_kv] float32 unscaled logits;
+  keys = (sequence, position, valid) of each of the total_kv key rows."""
+  _, num_kv_heads, v_depth = v.shape
   group = num_heads // num_kv_heads
   q_off = input_row_offsets.astype(jnp.int32)
-  kv_off = q_off if kv_input_row_offsets is None else kv_input_row_offsets.astype(jnp.int32)
   q_seq, q_idx, q_valid = _row_positions(q_off, total_q)
-  k_seq, k_pos, k_valid = _row_positions(kv_off, total_kv)
-  q_lens, kv_lens = jnp.diff(q_off), jnp.diff(kv_off)
+  k_seq, k_pos, k_valid = keys
+  q_lens = jnp.diff(q_off)
   q_pos = kv_lens[q_seq] - q_lens[q_seq] + q_idx
   v32 = jnp.repeat(v.astype(jnp.float32), group, axis=1)  # [total_kv, num_heads, v_depth]
   sink = None if sink_weights is None else sink_weights.astype(jnp.float32)
@@ -95,13 +123,14 @@ def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
   """
   del max_prompt_len, config, interpret
   num_heads = q.shape[1]
+  (k, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets, k, v)
   k32 = _heads(k, num_heads)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
 
   def logits(r0, rows):
     return jnp.einsum("rhd,khd->rhk", _q_block(q, r0, rows), k32, precision=_HI)
 
-  return _reference(logits, v, input_row_offsets, kv_input_row_offsets,
+  return _reference(logits, v, input_row_offsets, keys, kv_lens,
                     num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
                     sink_weights=sink_weights, output_dtype=output_dtype or q.dtype,
                     return_lse=return_lse)
@@ -116,6 +145,8 @@ def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt
   """
   del max_prompt_len, config, interpret
   num_heads = q.shape[1]
+  (k_nope, k_rope, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets,
+                                               k_nope, k_rope, v)
   d_nope = k_nope.shape[-1]
   kn32, kr32 = _heads(k_nope, num_heads), _heads(k_rope, num_heads)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -125,7 +156,7 @@ def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt
     return (jnp.einsum("rhd,khd->rhk", qb[..., :d_nope], kn32, precision=_HI)
             + jnp.einsum("rhd,khd->rhk", qb[..., d_nope:], kr32, precision=_HI))
 
-  return _reference(logits, v, input_row_offsets, kv_input_row_offsets,
+  return _reference(logits, v, input_row_offsets, keys, kv_lens,
                     num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
                     sink_weights=None, output_dtype=output_dtype or q.dtype,
                     return_lse=return_lse)

@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.config import MhaConfig
+from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
 MAX_HEAD_DIM = 256
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -79,42 +80,60 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
 
 
-def check_call(q, kv_arrays, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
+def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
                mask, scale, output_dtype, config, interpret):
   """The static checks MHA and MLA share (each then checks its own depths and heads).
 
-  q is [total_q, num_heads, depth]; kv_arrays maps each K/V argument's name to its array
-  (all [total_kv, heads, depth]).
+  q is [total_q, num_heads, depth]; kv_operands maps each K/V argument's name to its
+  operand: all arrays [total_kv, heads, depth], or all ``PagedKV``.
   """
-  arrays = {"q": q, **kv_arrays}
-  for name, x in arrays.items():
-    check_array(name, x, 3)
-    check_float_dtype(name, x)
-  if len({jnp.dtype(x.dtype) for x in arrays.values()}) > 1:
-    raise TypeError("q, " + ", ".join(kv_arrays) + " must share a dtype, got "
-                    + ", ".join(str(x.dtype) for x in arrays.values()))
-  rows = {name: x.shape[0] for name, x in kv_arrays.items()}
-  if len(set(rows.values())) > 1:
-    raise ValueError(f"the K/V arrays must have the same number of rows, got {rows}")
-  total_q, total_kv = q.shape[0], next(iter(rows.values()))
+  check_array("q", q, 3)
+  check_float_dtype("q", q)
   check_offsets("input_row_offsets", input_row_offsets)
-  if kv_input_row_offsets is None:
-    if total_kv != total_q:
-      raise ValueError(
-          f"without kv_input_row_offsets K/V are packed like Q, so the K/V arrays must have "
-          f"total_q = {total_q} rows, got {total_kv}")
-  else:
-    check_offsets("kv_input_row_offsets", kv_input_row_offsets,
-                  input_row_offsets.shape[0] - 1)
+  batch = input_row_offsets.shape[0] - 1
+  paged = [name for name, x in kv_operands.items() if isinstance(x, PagedKV)]
+  if paged and len(paged) != len(kv_operands):
+    raise ValueError(f"{', '.join(kv_operands)} must all be PagedKV or all be arrays; got "
+                     f"PagedKV for {', '.join(paged)} only")
+  if paged:
+    if kv_input_row_offsets is not None:
+      raise ValueError("kv_input_row_offsets must be None with PagedKV operands: the "
+                       "cache lengths and query counts give each sequence's K/V")
+    check_paged(kv_operands, batch)
+  for name, x in kv_operands.items():
+    if not paged:
+      check_array(name, x, 3)
+    check_float_dtype(name, x)
+  operands = {"q": q, **kv_operands}
+  if len({jnp.dtype(x.dtype) for x in operands.values()}) > 1:
+    raise TypeError(", ".join(operands) + " must share a dtype, got "
+                    + ", ".join(str(x.dtype) for x in operands.values()))
+  if not paged:
+    rows = {name: x.shape[0] for name, x in kv_operands.items()}
+    if len(set(rows.values())) > 1:
+      raise ValueError(f"the K/V arrays must have the same number of rows, got {rows}")
+    total_q, total_kv = q.shape[0], next(iter(rows.values()))
+    if kv_input_row_offsets is None:
+      if total_kv != total_q:
+        raise ValueError(
+            f"without kv_input_row_offsets K/V are packed like Q, so the K/V arrays must "
+            f"have total_q = {total_q} rows, got {total_kv}")
+    else:
+      check_offsets("kv_input_row_offsets", kv_input_row_offsets, batch)
   check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                 output_dtype=output_dtype, config=config, interpret=interpret)
 
 
 def validate_if_concrete(input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
-                         total_q, total_kv):
-  """validate_offsets on whichever offsets are concrete (under jit they are not checked)."""
+                         total_q, k):
+  """validate_offsets on whichever offsets are concrete, and a concrete paged cache's
+  block table and cache lengths (under jit they are not checked)."""
   if is_concrete(input_row_offsets):
     _validate_one("input_row_offsets", input_row_offsets, total_q, max_prompt_len)
+    if isinstance(k, PagedKV) and is_concrete(k.block_table) and is_concrete(
+        k.cache_lengths):
+      validate_paged(k, input_row_offsets)
+  total_kv = None if isinstance(k, PagedKV) else k.shape[0]
   if kv_input_row_offsets is not None and is_concrete(kv_input_row_offsets):
     _validate_one("kv_input_row_offsets", kv_input_row_offsets, total_kv)
 

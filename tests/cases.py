@@ -34,6 +34,7 @@ class Case:
   lse: bool = False
   output_dtype: str | None = None
   offsets_dtype: str = "int32"
+  page_size: int | None = None  # K/V in a shuffled paged cache (kv_lens give cache + new)
   extra_prompt_len: int = 9  # max_prompt_len beyond the longest sequence
   extra_rows: int = 5  # rows past offsets[-1], which must come out zero
   config: pp.MhaConfig | None = pp.MhaConfig(block_q=32, block_kv=16, num_warps=4,
@@ -145,11 +146,41 @@ def make_inputs(case: Case, seed: int):
   kwargs = dict(max_prompt_len=max(max(case.lens), 1) + case.extra_prompt_len,
                 mask=case.mask, return_lse=case.lse, output_dtype=case.output_dtype,
                 scale=case.scale)
-  if case.kv_lens is not None:
-    kwargs["kv_input_row_offsets"] = jnp.asarray(kv_off, case.offsets_dtype)
   if case.sink:
     kwargs["sink_weights"] = jnp.asarray(rng.standard_normal(case.heads) * 2, jnp.float32)
+  if case.page_size is not None:
+    arrays = arrays[:1] + to_pages(arrays[1:], kv_off, np.asarray(case.lens), case.page_size,
+                                   rng)
+  elif case.kv_lens is not None:
+    kwargs["kv_input_row_offsets"] = jnp.asarray(kv_off, case.offsets_dtype)
   return (*arrays, jnp.asarray(q_off, case.offsets_dtype)), kwargs, int(q_off[-1])
+
+
+def to_pages(operands, kv_off, q_lens, page_size, rng):
+  """Packed K/V operands -> PagedKVs over one shuffled block table. Sequence b's K/V rows
+  kv_off[b]:kv_off[b+1] are its cache followed by its q_lens[b] new rows. Unused slots
+  hold NaN and unused table entries out-of-range page ids: neither may be read."""
+  kv_lens = np.diff(kv_off)
+  pages_per_seq = -(-kv_lens // page_size)
+  num_pages = int(pages_per_seq.sum()) + 3
+  max_pages = int(pages_per_seq.max()) + 1
+  order = iter(rng.permutation(num_pages))
+  table = np.full((len(kv_lens), max_pages), 10**6, np.int32)
+  placed = []  # (page id, sequence, first row)
+  for b, n in enumerate(pages_per_seq):
+    for p in range(n):
+      table[b, p] = next(order)
+      placed.append((table[b, p], b, p * page_size))
+  result = []
+  for x in operands:
+    x = np.asarray(x.astype(jnp.float32))
+    pages = np.full((num_pages, page_size) + x.shape[1:], np.nan, np.float32)
+    for page, b, row in placed:
+      rows = x[kv_off[b] + row:min(kv_off[b] + row + page_size, kv_off[b + 1])]
+      pages[page, :len(rows)] = rows
+    result.append(pp.PagedKV(jnp.asarray(pages, operands[0].dtype), jnp.asarray(table),
+                             jnp.asarray(kv_lens - q_lens, jnp.int32)))
+  return tuple(result)
 
 
 def rel_err(x, ref) -> float:

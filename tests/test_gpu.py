@@ -10,6 +10,7 @@ import pytest
 import pallas_prefill as pp
 from pallas_prefill import masks
 from tests import cases
+from tests.test_paged import PAGED_CASES, with_kv_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +31,10 @@ GPU_CASES = cases.CASES + cases.MLA_CASES + [
     dataclasses.replace(_DEEPSEEK, kv_lens=(5, 1, 3000, 2048, 900, 513), lse=True),
     dataclasses.replace(_DEEPSEEK, mask=masks.SlidingWindowCausalMask(300), heads=16,
                         kv_heads=16, shared_rope=False),
+    *[with_kv_lens(c) for c in PAGED_CASES],
+    dataclasses.replace(_LARGE, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000), page_size=64,
+                        lse=True, sink=True),
+    dataclasses.replace(_DEEPSEEK, kv_lens=(5, 1, 3000, 2048, 900, 513), page_size=64),
     _LARGE,
     dataclasses.replace(_LARGE, lse=True, sink=True),
     dataclasses.replace(_LARGE, mask=masks.SlidingWindowCausalMask(512)),

@@ -1,0 +1,208 @@
+"""Paged KV caches: PagedKV in mha_prefill and mla_prefill, and write_kv (interpret mode,
+plus lowering for the H200)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_prefill as pp
+from pallas_prefill import masks
+from pallas_prefill.paged import write_kv
+from tests import cases
+from tests.test_lowering import KERNEL_NAME, lower_for_h200, triton_calls
+
+MASKS = [masks.CausalMask(), masks.NullMask(), masks.SlidingWindowCausalMask(24),
+         masks.ChunkedCausalMask(32)]
+CACHED = (5, 1, 90, 100, 64, 50)  # cache + new per sequence: the cache lengths are not 0
+NO_CACHE = None
+
+
+def paged_cases():
+  mha = cases.Case(lse=True)
+  mla = cases.Case(kind="mla", heads=4, kv_heads=2, head_dim=64, rope_dim=32, lse=True)
+  out = []
+  for base in (mha, mla):
+    for page_size in (16, 128):
+      for mask in MASKS:
+        out.append(dataclasses.replace(base, page_size=page_size, mask=mask, kv_lens=CACHED))
+      out.append(dataclasses.replace(base, page_size=page_size))  # cache lengths all 0
+  out.append(dataclasses.replace(mha, page_size=16, kv_lens=CACHED, sink=True))
+  out.append(dataclasses.replace(mla, page_size=32, kv_lens=CACHED, shared_rope=False,
+                                 config=None))
+  return out
+
+
+PAGED_CASES = paged_cases()
+
+
+def with_kv_lens(case):
+  """Without kv_lens, the K/V of each sequence are its own new rows (cache length 0)."""
+  return case if case.kv_lens else dataclasses.replace(case, kv_lens=case.lens)
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: c.name)
+def test_paged_matches_reference(case):
+  cases.check_case(with_kv_lens(case), interpret=True)
+
+
+@pytest.mark.parametrize("case", [c for c in PAGED_CASES if c.mask == masks.CausalMask()],
+                         ids=lambda c: c.name)
+def test_paged_equals_contiguous(case):
+  """The same logical K/V, paged (pages shuffled, NaN in the unused slots) or packed."""
+  case = with_kv_lens(case)
+  seed = cases.fresh_seed()
+  paged_args, kwargs, _ = cases.make_inputs(case, seed)
+  packed_args, packed_kwargs, _ = cases.make_inputs(
+      dataclasses.replace(case, page_size=None), seed)
+  kernel, _ = cases.ENTRY_POINTS[case.kind]
+  paged = kernel(*paged_args, config=case.config, **kwargs)
+  packed = kernel(*packed_args, config=case.config, **packed_kwargs)
+  for x, y in zip(jax.tree.leaves(paged), jax.tree.leaves(packed)):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.isfinite(x).all()
+    np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2, err_msg=f"seed={seed}")
+    assert cases.rel_err(x, y) < 5e-3, f"seed={seed}"
+
+
+def test_write_kv_places_rows_at_cache_length():
+  rng = np.random.default_rng(cases.fresh_seed())
+  page_size, heads, depth = 16, 2, 8
+  lens, cache = [3, 0, 20], [14, 5, 0]
+  table = np.array([[4, 1, 0], [2, 0, 0], [3, 5, 0]], np.int32)
+  pages = rng.standard_normal((6, page_size, heads, depth)).astype(np.float32)
+  new = rng.standard_normal((sum(lens) + 2, heads, depth)).astype(np.float32)  # 2 extra
+  offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  expected = pages.copy()
+  for b, (n, c) in enumerate(zip(lens, cache)):
+    for i in range(n):
+      pos = c + i
+      expected[table[b, pos // page_size], pos % page_size] = new[offsets[b] + i]
+  got = jax.jit(write_kv)(jnp.asarray(pages), jnp.asarray(new), jnp.asarray(offsets),
+                          jnp.asarray(table), jnp.asarray(cache, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_write_kv_then_prefill_over_the_cache():
+  """The serving flow: cache K/V in pages, write the new rows, prefill on top."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  page_size, heads, depth = 16, 2, 32
+  cache, lens = np.array([30, 0, 7]), np.array([9, 20, 1])
+  table = np.array([[0, 3, 6], [1, 4, 7], [2, 5, 8]], np.int32)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  k_pages, v_pages = normal(9, page_size, heads, depth), normal(9, page_size, heads, depth)
+  total = int(lens.sum())
+  q, k_new, v_new = normal(total, heads, depth), normal(total, heads, depth), normal(
+      total, heads, depth)
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  cache_lengths = jnp.asarray(cache, jnp.int32)
+  k_pages = write_kv(k_pages, k_new, offsets, jnp.asarray(table), cache_lengths)
+  v_pages = write_kv(v_pages, v_new, offsets, jnp.asarray(table), cache_lengths)
+  k = pp.PagedKV(k_pages, jnp.asarray(table), cache_lengths)
+  v = pp.PagedKV(v_pages, jnp.asarray(table), cache_lengths)
+  out = pp.mha_prefill(q, k, v, offsets, max_prompt_len=32)
+  # The same by hand: each sequence's cache rows, then its new rows, packed.
+  kv_rows = lambda pages, b: pages[table[b]].reshape(-1, heads, depth)[:cache[b] + lens[b]]
+  kv_off = jnp.asarray(np.concatenate([[0], np.cumsum(cache + lens)]), jnp.int32)
+  ref = pp.reference.mha_prefill_reference(
+      q, jnp.concatenate([kv_rows(k_pages, b) for b in range(3)]),
+      jnp.concatenate([kv_rows(v_pages, b) for b in range(3)]), offsets, max_prompt_len=32,
+      kv_input_row_offsets=kv_off)
+  assert cases.rel_err(out, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input.
+
+def paged_operands(page_size=16, table_dtype=jnp.int32, table_rank=2):
+  k = jnp.zeros((6, page_size, 2, 16), jnp.bfloat16)
+  table = jnp.zeros((2, 3) if table_rank == 2 else (6,), table_dtype)
+  cache = jnp.array([0, 4], jnp.int32)
+  q = jnp.zeros((10, 4, 16), jnp.bfloat16)
+  return q, pp.PagedKV(k, table, cache), pp.PagedKV(k, table, cache)
+
+
+OFFSETS = jnp.array([0, 4, 10], jnp.int32)
+
+
+@pytest.mark.parametrize("page_size", [8, 24, 512])
+def test_page_size_must_be_a_power_of_two_from_16_to_256(page_size):
+  q, k, v = paged_operands(page_size)
+  with pytest.raises(ValueError, match=f"page size must be a power of two from 16 to 256, "
+                                       f"got {page_size}"):
+    pp.mha_prefill(q, k, v, OFFSETS, max_prompt_len=8)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(table_dtype=jnp.uint32), r"k.block_table must be a rank-2 int32 array, got uint32"),
+    (dict(table_rank=1), r"k.block_table must be a rank-2 int32 array, got int32\(6,\)"),
+])
+def test_block_table_rank_and_dtype(kwargs, match):
+  q, k, v = paged_operands(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    pp.mha_prefill(q, k, v, OFFSETS, max_prompt_len=8)
+
+
+def test_paged_mixed_with_an_array_or_kv_offsets_is_refused():
+  q, k, v = paged_operands()
+  with pytest.raises(ValueError, match=r"k, v must all be PagedKV or all be arrays; got "
+                                       r"PagedKV for k only"):
+    pp.mha_prefill(q, k, jnp.zeros((10, 2, 16), jnp.bfloat16), OFFSETS, max_prompt_len=8)
+  with pytest.raises(ValueError, match=r"kv_input_row_offsets must be None with PagedKV"):
+    pp.mha_prefill(q, k, v, OFFSETS, kv_input_row_offsets=OFFSETS, max_prompt_len=8)
+
+
+def test_concrete_page_ids_and_cache_lengths_are_validated():
+  q, k, v = paged_operands()
+  bad_page = dataclasses.replace(k, block_table=jnp.array([[0, 1, 2], [6, 0, 0]], jnp.int32))
+  with pytest.raises(ValueError, match=r"k.block_table\[1\] holds page id 6, outside the "
+                                       r"6 pages"):
+    pp.mha_prefill(q, bad_page, dataclasses.replace(v, block_table=bad_page.block_table),
+                   OFFSETS, max_prompt_len=8)
+  too_long = dataclasses.replace(k, cache_lengths=jnp.array([0, 43], jnp.int32))
+  with pytest.raises(ValueError, match=r"sequence 1 needs 49 K/V positions \(cache_lengths "
+                                       r"43 \+ 6 new\), more than its 3 pages of 16 hold"):
+    pp.mha_prefill(q, too_long, v, OFFSETS, max_prompt_len=8)
+
+
+def test_garbage_page_ids_and_cache_lengths_under_jit_stay_in_bounds():
+  rng = np.random.default_rng(cases.fresh_seed())
+  k_pages = jnp.asarray(rng.standard_normal((6, 16, 2, 16)), jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((10, 4, 16)), jnp.bfloat16)
+
+  @jax.jit
+  def run(table, cache):
+    k = pp.PagedKV(k_pages, table, cache)
+    return pp.mha_prefill(q, k, k, OFFSETS, max_prompt_len=8, return_lse=True)
+
+  for table, cache in (([[-5, 99, 3], [7, 2**30, -1]], [2**30, -7]),
+                       ([[0, 1, 2], [3, 4, 5]], [47, 3])):
+    out, lse = run(jnp.asarray(table, jnp.int32), jnp.asarray(cache, jnp.int32))
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(lse).all()
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering for the H200.
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_paged_lowers_for_h200(kind, page_size):
+  bf16 = jnp.bfloat16
+  table, cache = S((4, 40), jnp.int32), S((4,), jnp.int32)
+  paged = lambda heads, depth: pp.PagedKV(S((160, page_size, heads, depth), bf16), table,
+                                          cache)
+  if kind == "mha":
+    args = (S((2048, 32, 128), bf16), paged(8, 128), paged(8, 128))
+    kernel = pp.mha_prefill
+  else:
+    args = (S((2048, 16, 192), bf16), paged(16, 128), paged(1, 64), paged(16, 128))
+    kernel = pp.mla_prefill
+  fn = lambda *a: kernel(*a, max_prompt_len=512, interpret=False)
+  lowered = lower_for_h200(fn, *args, S((5,), jnp.int32))
+  [call] = triton_calls(lowered)
+  assert call.name == KERNEL_NAME and call.grid[2] == 4
