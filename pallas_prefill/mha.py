@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_prefill import masks as masks_lib
+from pallas_prefill import partitioning
 from pallas_prefill import ragged
 from pallas_prefill import validation as val
 
@@ -29,6 +30,10 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     k: [total_kv, num_kv_heads, head_dim], same dtype; num_heads % num_kv_heads == 0
       (MHA, GQA, MQA). total_kv == total_q when kv_input_row_offsets is None.
     v: [total_kv, num_kv_heads, head_dim_v], same dtype.
+      k and v may instead both be ``PagedKV`` over one block table and cache lengths, with
+      pages [num_pages, page_size, num_kv_heads, head_dim(_v)]: a paged cache whose new
+      rows ``paged.write_kv`` has placed at cache_length onward; then kv_len =
+      cache_length + q_len, start_pos = cache_length, and kv_input_row_offsets is None.
     input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
     max_prompt_len: static int >= every sequence's query count; sizes the grid, so bucket
       it to limit recompilation.
@@ -55,10 +60,13 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
 
   Raises:
     TypeError, ValueError: static problems (ranks, dtypes, head counts or dims, offsets'
-      length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape),
-      and, when the offsets are concrete, the data problems ``validate_offsets`` finds.
-      Under jit nothing checks the offsets' values; the kernel clamps every index, so
-      garbage offsets give garbage rows but never an access outside the arrays or NaN.
+      length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape; a
+      PagedKV page size that is not a power of two from 16 to 256, a bad block table,
+      PagedKV mixed with an array or with kv_input_row_offsets), and, when the offsets
+      are concrete, the data problems ``validate_offsets`` finds (and, for a concrete
+      PagedKV, page ids out of range or a cache longer than its pages). Under jit nothing
+      checks these values; the kernel clamps every index, so garbage offsets, page ids or
+      cache lengths give garbage rows but never an access outside the arrays or NaN.
   """
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
@@ -81,16 +89,24 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
   return _mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
-      max_prompt_len=int(max_prompt_len), mask=mask,
-      scale=float(head_dim ** -0.5 if scale is None else scale),
-      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
-      return_lse=bool(return_lse), config=config, interpret=ragged.resolve_interpret(interpret))
+      **ragged.static_options(
+          q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          interpret=interpret))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
-def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
-                 max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+@functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
+def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, **static):
+  hp = partitioning
+  return hp.head_parallel(
+      _mha_impl, (q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights),
+      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, hp.SINK_HEADS),
+      out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
+      num_heads=q.shape[1], num_kv_heads=k.shape[-2], **static)
+
+
+def _mha_impl(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
+              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
   qk_depth = ragged.padded_depth(q.shape[-1])
   k, v, paged = ragged.unpage(k, v)
   return ragged.ragged_attention(

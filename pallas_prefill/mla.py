@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_prefill import masks as masks_lib
+from pallas_prefill import partitioning
 from pallas_prefill import ragged
 from pallas_prefill import validation as val
 
@@ -36,6 +37,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     k_rope: [total_kv, 1 or num_kv_heads, d_rope], same dtype; 1 head is shared by every
       query head (DeepSeek).
     v: [total_kv, num_kv_heads, d_v], same dtype.
+      k_nope, k_rope and v may instead all be ``PagedKV`` over one block table and cache
+      lengths (pages [num_pages, page_size, heads, depth]), as in ``mha_prefill``.
     input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
     max_prompt_len: static int >= every sequence's query count.
     kv_input_row_offsets: optional [batch + 1] K/V row offsets (cached prefix or
@@ -81,17 +84,24 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k_nope)
   return _mla_prefill(
       q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
-      max_prompt_len=int(max_prompt_len), mask=mask,
-      scale=float(depth ** -0.5 if scale is None else scale),
-      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
-      return_lse=bool(return_lse), config=config,
-      interpret=ragged.resolve_interpret(interpret))
+      **ragged.static_options(
+          q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          interpret=interpret))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config", "interpret"))
-def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
-                 max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+@functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
+def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, **static):
+  hp = partitioning
+  return hp.head_parallel(
+      _mla_impl, (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets),
+      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None),
+      out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
+      num_heads=q.shape[1], num_kv_heads=k_nope.shape[-2], **static)
+
+
+def _mla_impl(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
+              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
   k_nope, k_rope, v, paged = ragged.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
   w_nope, w_rope = ragged.padded_depth(d_nope), ragged.padded_depth(d_rope)

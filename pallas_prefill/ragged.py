@@ -275,9 +275,13 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   inputs += list(paged) if paged is not None else []
   inputs += [sink_weights] if sink_weights is not None else []
   inputs += [*q_ops, *k_ops, v]
-  out_shape = [jax.ShapeDtypeStruct((total_q, num_heads, v.shape[-1]), output_dtype)]
+  # Inside shard_map the outputs vary over the mesh axes any input varies over.
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+  sds = functools.partial(jax.ShapeDtypeStruct,
+                          manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  out_shape = [sds((total_q, num_heads, v.shape[-1]), output_dtype)]
   if return_lse:
-    out_shape.append(jax.ShapeDtypeStruct((total_q, num_heads), jnp.float32))
+    out_shape.append(sds((total_q, num_heads), jnp.float32))
   out, *lse = pl.pallas_call(
       kernel,
       grid=(num_heads, num_tiles, batch),
@@ -307,9 +311,21 @@ def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
   return out, lse
 
 
-def resolve_interpret(interpret):
-  """interpret=None means the Pallas interpreter exactly when the default backend is the CPU."""
-  return jax.default_backend() == "cpu" if interpret is None else interpret
+# The options an entry point's jitted implementation takes as static arguments.
+STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
+                  "interpret")
+
+
+def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
+                   config, interpret) -> dict:
+  """Validated options in the hashable form the jitted implementations take, defaults
+  resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
+  return dict(
+      max_prompt_len=int(max_prompt_len), mask=mask,
+      scale=float(depth ** -0.5 if scale is None else scale),
+      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
+      return_lse=bool(return_lse), config=config,
+      interpret=jax.default_backend() == "cpu" if interpret is None else interpret)
 
 
 def padded_depth(depth: int) -> int:

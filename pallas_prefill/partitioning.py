@@ -1,0 +1,153 @@
+"""Head parallelism inside JAX's SPMD partitioner.
+
+Attention heads are independent, so a kernel call over head-sharded operands is the same
+kernel on each device's heads. ``head_parallel`` wraps an entry point's implementation in
+``jax.experimental.custom_partitioning``: under ``jax.jit`` with operands sharded along the
+head axis (a ``NamedSharding``), each device runs the kernel on its own heads and the
+compiled program moves no Q, K, V or output between devices. Any other sharding (tokens,
+replicated, heads that do not divide evenly) is gathered and computed whole on every
+device: correct, not parallel. On one device the implementation is called directly, and
+inside ``shard_map`` (where each device already holds its shard) it is inlined unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_prefill.paged import PagedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+  """Where an operand's head axis is: ``axis`` (negative) counts query heads (``kv=False``)
+  or K/V heads (``kv=True``). An operand with one head where there are several K/V heads
+  (MLA's shared rope key) has nothing to split and is replicated."""
+
+  axis: int
+  kv: bool = False
+
+
+Q_HEADS = Heads(-2)  # q [total_q, num_heads, depth], out, and paged/packed K/V alike
+KV_HEADS = Heads(-2, kv=True)
+SINK_HEADS = Heads(-1)  # sink_weights [num_heads], lse [total_q, num_heads]
+
+
+def _leaf_roles(operands, roles):
+  """The role of each pytree leaf: a PagedKV's pages take its role, its block table and
+  cache lengths are replicated; None operands have no leaves."""
+  out = []
+  for x, role in zip(operands, roles):
+    if x is None:
+      continue
+    out += [role, None, None] if isinstance(x, PagedKV) else [role]
+  return tuple(out)
+
+
+def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **static):
+  """``fn(*operands, **static)``, partitioned along heads by JAX's SPMD partitioner.
+
+  Args:
+    fn: the implementation; returns an array or a tuple of arrays.
+    operands: its positional operands (arrays, PagedKV or None).
+    roles: per operand, a ``Heads`` or None (replicated: offsets and the like).
+    out_roles: per output, a ``Heads``.
+    num_heads, num_kv_heads: the query and K/V head counts.
+    **static: hashable keyword arguments of fn.
+  """
+  if not _may_partition():
+    return fn(*operands, **static)
+  leaves, treedef = jax.tree.flatten(operands)
+  wrapped = _partitioned(fn, treedef, _leaf_roles(operands, roles), tuple(out_roles),
+                         num_heads, num_kv_heads, tuple(sorted(static.items())),
+                         tuple((x.ndim, x.shape[r.axis] if r else 0) for x, r in
+                               zip(leaves, _leaf_roles(operands, roles))))
+  return wrapped(*leaves)
+
+
+def _may_partition() -> bool:
+  """Whether the program being traced can span several devices. A single-device program
+  (and ahead-of-time lowering for one abstract device, where custom_partitioning cannot
+  lower) calls the implementation directly."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.size > 1 if not mesh.empty else jax.device_count() > 1
+
+
+def _head_factor(role, heads, num_kv_heads, group):
+  """The sharding-rule factor of a head axis: K/V heads are factor k, query heads the
+  compound (k g) whose major part k lines up with the K/V heads they attend to. With one
+  K/V head (MQA) the query heads are g alone and K/V have nothing to split."""
+  if role.kv:
+    return "k" if heads == num_kv_heads > 1 else None
+  if num_kv_heads == 1:
+    return "g"
+  return "k" if group == 1 else "(k g)"
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(fn, treedef, roles, out_roles, num_heads, num_kv_heads, static, dims):
+  static = dict(static)
+  group = num_heads // num_kv_heads
+
+  def impl(*leaves):
+    return fn(*jax.tree.unflatten(treedef, leaves), **static)
+
+  def rule_operand(i, role, ndim, heads):
+    factors = [f"r{i}_{d}" for d in range(ndim)]
+    head = role and _head_factor(role, heads, num_kv_heads, group)
+    if head:
+      factors[ndim + role.axis] = head
+    return " ".join(factors)
+
+  in_rules = [rule_operand(i, r, ndim, h) for i, (r, (ndim, h)) in enumerate(zip(roles, dims))]
+  out_ndims = [3 if r == Q_HEADS else 2 for r in out_roles]  # out, lse
+  out_rules = [rule_operand(f"o{i}", r, n, num_heads)
+               for i, (r, n) in enumerate(zip(out_roles, out_ndims))]
+  replicated = tuple(f for rule in in_rules + out_rules for f in rule.split()
+                     if f.startswith("r"))
+  rule = ", ".join(in_rules) + " -> " + ", ".join(out_rules)
+  sizes = {"g": group} if group > 1 and num_kv_heads > 1 else {}  # g only in (k g)
+
+  def head_axes(mesh, arg_shapes):
+    """The mesh axes q's heads are sharded over, if the kernel can run on those shards."""
+    spec = arg_shapes[0].sharding.spec
+    axes = spec[1] if len(spec) > 1 else None
+    if axes is None:
+      return None
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    n = math.prod(mesh.shape[a] for a in axes)
+    splittable = num_kv_heads % n == 0 or num_kv_heads == 1
+    return axes if n > 1 and num_heads % n == 0 and splittable else None
+
+  def sharding(mesh, axes, role, ndim, heads):
+    spec = [None] * ndim
+    kv_split = heads == num_kv_heads and num_kv_heads > 1
+    if role is not None and axes is not None and (not role.kv or kv_split):
+      spec[ndim + role.axis] = axes
+    return NamedSharding(mesh, P(*spec))
+
+  def out_shardings(mesh, axes):
+    shards = tuple(sharding(mesh, axes, r, n, num_heads) for r, n in zip(out_roles, out_ndims))
+    return shards if len(shards) > 1 else shards[0]
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    del result_shape
+    return out_shardings(mesh, head_axes(mesh, arg_shapes))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    axes = head_axes(mesh, arg_shapes)
+    arg_shardings = tuple(sharding(mesh, axes, r, ndim, h)
+                          for r, (ndim, h) in zip(roles, dims))
+    return mesh, impl, out_shardings(mesh, axes), arg_shardings
+
+  wrapped = custom_partitioning(impl)
+  wrapped.def_partition(
+      partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
+      sharding_rule=rule, need_replication_factors=replicated, **sizes)
+  return wrapped

@@ -1,0 +1,121 @@
+"""Tensor-parallel heads: the kernels inside shard_map and under jit with head-sharded
+inputs, on several host devices in interpret mode (conftest.py asks XLA for 4)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import pallas_prefill as pp
+from tests import cases
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
+
+CONFIG = pp.MhaConfig(block_q=32, block_kv=16, num_warps=4, num_stages=2)
+HEAD = P(None, "x", None)  # [tokens, heads, depth] split along heads
+COLLECTIVE = re.compile(r"all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter")
+
+
+def mesh(n):
+  return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def inputs(case):
+  args, kwargs, _ = cases.make_inputs(case, cases.fresh_seed())
+  kwargs.pop("scale")
+  return args, kwargs
+
+
+def put(mesh_, x, spec):
+  if isinstance(x, pp.PagedKV):
+    return pp.PagedKV(put(mesh_, x.pages, P(None, None, "x", None)),
+                      put(mesh_, x.block_table, P()), put(mesh_, x.cache_lengths, P()))
+  return jax.device_put(x, NamedSharding(mesh_, spec))
+
+
+def assert_same(x, y, err_msg=""):
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-5, atol=1e-5, err_msg=err_msg)
+
+
+MHA = cases.Case(heads=8, kv_heads=4, lse=True, sink=True)
+MLA = cases.Case(kind="mla", heads=8, kv_heads=4, head_dim=32, rope_dim=16, lse=True)
+
+
+def specs(case, args, kwargs):
+  """Head-sharded specs for the operands of a case (MLA's shared rope key replicated)."""
+  n_kv = 2 if case.kind == "mha" else 3
+  arg_specs = [HEAD] * (1 + n_kv) + [P()]
+  if case.kind == "mla" and case.shared_rope:
+    arg_specs[2] = P()
+  kw_specs = {"sink_weights": P("x")} if "sink_weights" in kwargs else {}
+  return arg_specs, kw_specs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", [MHA, MLA], ids=["mha", "mla"])
+def test_inside_shard_map_equals_single_device(case, n):
+  args, kwargs = inputs(case)
+  kernel, _ = cases.ENTRY_POINTS[case.kind]
+  static = {k: v for k, v in kwargs.items() if k != "sink_weights"}
+  single = kernel(*args, config=CONFIG, **kwargs)
+  arg_specs, kw_specs = specs(case, args, kwargs)
+  out_specs = (HEAD, P(None, "x")) if case.lse else HEAD
+
+  def per_device(*a):
+    *arrays, sinks = a if kw_specs else (*a, None)
+    extra = {"sink_weights": sinks} if kw_specs else {}
+    return kernel(*arrays, config=CONFIG, **static, **extra)
+
+  m = mesh(n)
+  sharded = jax.jit(jax.shard_map(
+      per_device, mesh=m, in_specs=tuple(arg_specs) + tuple(kw_specs.values()),
+      out_specs=out_specs))(*args, *[kwargs[k] for k in kw_specs])
+  assert_same(sharded, single)
+
+
+@pytest.mark.parametrize("case", [
+    MHA, cases.Case(heads=8, kv_heads=1, lse=True),  # MQA: K/V replicated
+    MLA, cases.Case(kind="mla", heads=8, kv_heads=4, head_dim=32, rope_dim=16,
+                    shared_rope=False),
+    cases.Case(heads=8, kv_heads=4, kv_lens=(5, 1, 90, 100, 64, 50), page_size=16, lse=True),
+], ids=["mha_gqa_sinks", "mha_mqa", "mla_shared_rope", "mla_per_head_rope", "mha_paged"])
+def test_jit_over_head_sharded_inputs_partitions_along_heads(case):
+  args, kwargs = inputs(case)
+  kernel, _ = cases.ENTRY_POINTS[case.kind]
+  single = kernel(*args, config=CONFIG, **kwargs)
+  m = mesh(4)
+  arg_specs, kw_specs = specs(case, args, kwargs)
+  if case.kv_heads == 1:
+    arg_specs[1:3] = [P(), P()]
+  sharded_args = [put(m, x, s) for x, s in zip(args, arg_specs)]
+  sharded_kwargs = {k: put(m, kwargs[k], s) for k, s in kw_specs.items()}
+  static = {k: v for k, v in kwargs.items() if k not in kw_specs}
+  fn = jax.jit(lambda *a, **kw: kernel(*a, config=CONFIG, **static, **kw))
+  out = fn(*sharded_args, **sharded_kwargs)
+  assert_same(out, single)
+  first = jax.tree.leaves(out)[0]
+  assert first.sharding.spec[1] == "x", first.sharding  # the output keeps the head split
+  hlo = fn.lower(*sharded_args, **sharded_kwargs).compile().as_text()
+  assert not COLLECTIVE.search(hlo), COLLECTIVE.search(hlo).group(0)
+
+
+@pytest.mark.parametrize("spec", [P("x", None, None), P(), P(None, None, "x")],
+                         ids=["tokens", "replicated", "depth"])
+def test_other_shardings_give_the_right_answer(spec):
+  case = cases.Case(heads=8, kv_heads=4, lse=True, lens=(40, 1, 23), extra_rows=0)  # 64 rows
+  args, kwargs = inputs(case)
+  single = pp.mha_prefill(*args, config=CONFIG, **kwargs)
+  m = mesh(4)
+  q, k, v, off = args
+  sharded = [put(m, x, spec) for x in (q, k, v)] + [put(m, off, P())]
+  fn = jax.jit(lambda *a: pp.mha_prefill(*a, config=CONFIG, **kwargs))
+  assert_same(fn(*sharded), single)
+  if spec != P():
+    # The kernel needs whole tokens and depths: these are gathered, which also shows that
+    # the collective check above can see a collective.
+    assert COLLECTIVE.search(fn.lower(*sharded).compile().as_text())
