@@ -264,11 +264,13 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   if num_tiles > MAX_GRID_DIM:
     raise ValueError(f"max_prompt_len ({max_prompt_len}) needs {num_tiles} query tiles of "
                      f"{config.block_q}, more than the grid's limit of {MAX_GRID_DIM}")
+  if paged is not None:
+    kv_layout = "paged"
+  else:
+    kv_layout = "packed" if kv_offsets is None else "offsets"
   kernel = functools.partial(
-      _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
-      kv_layout="paged" if paged is not None else (
-          "offsets" if kv_offsets is not None else "packed"), has_sink=sink_weights is not None,
-      has_lse=return_lse, mask=mask, scale=scale * _LOG2_E, block_q=config.block_q,
+      _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), kv_layout=kv_layout,
+      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask, scale=scale * _LOG2_E, block_q=config.block_q,
       block_kv=config.block_kv, num_tiles=num_tiles, group=num_heads // num_kv_heads)
   inputs = [q_offsets]
   inputs += [kv_offsets] if kv_offsets is not None else []
