@@ -1,12 +1,17 @@
-"""The anchor workloads (../shared/notes/anchors-h200.md) and the useful-FLOP count."""
+"""The benchmark workloads (../shared/notes/anchors-h200.md and issue 5) and the
+useful-FLOP count."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from pallas_prefill import masks as masks_lib
 
-WORKLOADS = {
+CAUSAL = masks_lib.CausalMask()
+
+WORKLOADS_LENGTHS = {
     "equal4x4096": [4096] * 4,
     "skew16_16k": [4096, 2048, 1800, 1500, 1200, 1000, 900, 800, 700, 600, 500, 400, 300,
                    200, 100, 37],
@@ -14,11 +19,44 @@ WORKLOADS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """One batch: its query lengths, the K/V lengths when they differ (cached prefix), the
+  mask, and the page size when the K/V sit in a paged cache."""
+
+  name: str
+  q_lens: tuple[int, ...]
+  kv_lens: tuple[int, ...] | None = None
+  mask: object = CAUSAL
+  page_size: int | None = None
+  kernels: tuple[str, ...] = ("mha", "mla")
+
+  @property
+  def max_len(self) -> int:
+    return max(self.q_lens)
+
+
+WORKLOADS = {
+    **{name: Workload(name, tuple(lens)) for name, lens in WORKLOADS_LENGTHS.items()},
+    "sliding4x16384_w4096": Workload("sliding4x16384_w4096", (16384,) * 4,
+                                     mask=masks_lib.SlidingWindowCausalMask(4096),
+                                     kernels=("mha",)),
+    "chunked8x512_page64": Workload(
+        "chunked8x512_page64", (512,) * 8,
+        kv_lens=tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120, 6144, 8192)),
+        page_size=64),
+    # A few hundred tokens: the harness's own CPU tests (interpret mode) run these.
+    "tiny": Workload("tiny", (37, 1, 100)),
+    "tiny_paged": Workload("tiny_paged", (37, 1, 100), kv_lens=(50, 1, 130), page_size=16),
+}
+SMOKE = ("tiny", "tiny_paged")
+
+
 def offsets(lengths) -> np.ndarray:
   return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-def visible_pairs(q_lens, kv_lens=None, mask=masks_lib.CausalMask()) -> int:
+def visible_pairs(q_lens, kv_lens=None, mask=CAUSAL) -> int:
   """(query, key) pairs the mask leaves visible: each mask's visible keys for one query
   form one contiguous range, so ``kv_range`` of a single position counts them."""
   kv_lens = q_lens if kv_lens is None else kv_lens
@@ -26,11 +64,11 @@ def visible_pairs(q_lens, kv_lens=None, mask=masks_lib.CausalMask()) -> int:
   for q_len, kv_len in zip(q_lens, kv_lens):
     pos = np.arange(q_len, dtype=np.int64) + (kv_len - q_len)
     lo, hi = mask.kv_range(pos, pos, np.int64(kv_len))
-    total += int(np.maximum(np.asarray(hi) - np.asarray(lo), 0).sum())
+    seen = np.broadcast_to(np.asarray(hi) - np.asarray(lo), pos.shape)  # NullMask: scalar
+    total += int(np.maximum(seen, 0).sum())
   return total
 
 
-def useful_flops(q_lens, num_heads, qk_depth, v_depth, kv_lens=None,
-                 mask=masks_lib.CausalMask()) -> float:
+def useful_flops(q_lens, num_heads, qk_depth, v_depth, kv_lens=None, mask=CAUSAL) -> float:
   """2 * heads * (d_qk + d_v) * visible pairs: FLOPs of the real tokens only."""
   return 2.0 * num_heads * (qk_depth + v_depth) * visible_pairs(q_lens, kv_lens, mask)

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_prefill.tuned import TUNED
+
 
 def _is_pow2(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
@@ -40,18 +42,7 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-# Tuned on an H200 (BUILD_NOTES.md, "Tile sweeps"): device kind -> {(QK depth, V depth,
-# input itemsize, long prompts): config}. The QK depth is the sum of the logit terms'
-# padded widths (MLA's 128 + 64 is 192); "long" means max_prompt_len > LONG_PROMPT.
-LONG_PROMPT = 1024
-_TUNED: dict[str, dict[tuple[int, int, int, bool], MhaConfig]] = {
-    "NVIDIA H200": {
-        (128, 128, 2, False): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=3),
-        (128, 128, 2, True): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=3),
-        (192, 128, 2, False): MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-        (192, 128, 2, True): MhaConfig(block_q=128, block_kv=32, num_warps=4, num_stages=3),
-    },
-}
+LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry
 
 
 def _device_kind() -> str:
@@ -63,17 +54,24 @@ def _device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def default_config(qk_depth: int, v_depth: int, dtype, max_prompt_len: int) -> MhaConfig:
-  """The configuration ``config=None`` uses for these padded depths, dtype and prompt length.
+def tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len) -> tuple:
+  """The key of ``pallas_prefill.tuned.TUNED`` for a call."""
+  return (qk_depth, v_depth, jnp.dtype(dtype).name, type(mask).__name__,
+          max_prompt_len > LONG_PROMPT)
 
-  Looks up the table tuned for the device; an unknown device or shape gets a safe default:
-  64 x 32 tiles, which keep Q, the K/V stages and the accumulator well inside shared
-  memory and registers up to depth 256 in float32.
+
+def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int) -> MhaConfig:
+  """The configuration ``config=None`` uses for these padded depths, dtype, mask and length.
+
+  Looks up the table ``python -m benchmarks.tune`` wrote for the device (the mask's own
+  entry, else the causal one); an unknown device or shape gets a safe default: 64 x 32
+  tiles, which keep Q, the K/V stages and the accumulator well inside shared memory and
+  registers up to depth 256 in float32.
   """
-  itemsize = jnp.dtype(dtype).itemsize
-  key = (qk_depth, v_depth, itemsize, max_prompt_len > LONG_PROMPT)
-  tuned = _TUNED.get(_device_kind(), {}).get(key)
+  table = TUNED.get(_device_kind(), {})
+  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
+  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
   if tuned is not None:
-    return tuned
-  wide = max(qk_depth, v_depth) * itemsize > 256  # wider than bf16 at depth 128
+    return MhaConfig(*tuned)
+  wide = max(qk_depth, v_depth) * jnp.dtype(dtype).itemsize > 256  # wider than bf16 d128
   return MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2 if wide else 3)

@@ -256,7 +256,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
   if config is None:
-    config = default_config(sum(p.width for p in parts), v.shape[-1], v.dtype, max_prompt_len)
+    config = default_config(sum(p.width for p in parts), v.shape[-1], v.dtype, mask,
+                            max_prompt_len)
   if paged is not None and config.block_kv > v.shape[1]:
     # KV tiles follow the page boundaries: no tile spans two pages.
     config = dataclasses.replace(config, block_kv=v.shape[1])

@@ -187,7 +187,8 @@ def expected_default(problem: Problem) -> pp.MhaConfig:
   """What config=None picks on an H200 for this problem."""
   with use_abstract_mesh(H200_MESH):
     return config_lib.default_config(padded(problem.head_dim), padded(problem.head_dim_v),
-                                     jnp.dtype(problem.dtype), problem.max_prompt_len)
+                                     jnp.dtype(problem.dtype), problem.mask,
+                                     problem.max_prompt_len)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""The benchmark harness: pallas_prefill beside every alternative the machine has.
+
+    python -m benchmarks.run [--kernels mha mla] [--workloads NAME ...]
+        [--systems NAME ...] [--out DIR]
+
+In one process and one run: for each kernel and workload (benchmarks/workloads.py), every
+system (benchmarks/systems.py) that can serve it is timed (median per call of 5 rounds of
+20 calls after warm-up, rotating over 3 input sets; torch systems with
+triton.testing.do_bench's median), its output compared with the float32 reference on the
+same inputs, and a line printed as it goes. A figure counts only when its relative error
+is under 2e-2. Useful TFLOP/s count the real tokens' FLOPs only (anchors-h200.md).
+Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, when
+matplotlib is importable, DIR/results.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import systems as sy
+from benchmarks import workloads as wl
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+TOLERANCE = 2e-2
+DEFAULT_WORKLOADS = [n for n in wl.WORKLOADS if n not in wl.SMOKE]
+
+
+def bench_jax(fn, arg_sets, rounds=5, reps=20) -> float:
+  """Median seconds per call; calls rotate over arg_sets."""
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for i in range(reps):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / reps)
+  return statistics.median(times)
+
+
+def bench_torch(fn, arg_sets) -> float:
+  import triton.testing  # pylint: disable=g-import-not-at-top
+  calls = iter(range(10**9))
+  ms = triton.testing.do_bench(lambda: fn(*arg_sets[next(calls) % len(arg_sets)]),
+                               return_mode="median")
+  return ms / 1e3
+
+
+def rel_err(x, ref) -> float:
+  x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def matmul_tflops() -> float:
+  n = 8192 if jax.default_backend() == "gpu" else 512
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  return 2 * n**3 / bench_jax(jax.jit(jnp.matmul), [(a, b)]) / 1e12
+
+
+def commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("PALLAS_PREFILL_COMMIT", "unknown")
+
+
+def run_case(kind, workload, system_names, rows, progress):
+  problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
+  ref = sy.reference(problems[0])
+  flops = sy.useful_flops(problems[0])
+  for name in system_names:
+    progress[0] += 1
+    tag = f"[{progress[0]}/{progress[1]}] {kind} {workload.name:22s} {name:26s}"
+    try:
+      prepared = sy.SYSTEMS[name](problems)
+      out = prepared.to_packed(prepared.fn(*prepared.arg_sets[0]))
+      err = rel_err(out, ref)
+      bench = bench_torch if prepared.timer == "torch" else bench_jax
+      sec = bench(prepared.fn, prepared.arg_sets)
+    except sy.Unavailable as e:
+      print(f"{tag} n/a: {e}", flush=True)
+      continue
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{tag} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    row = dict(kernel=kind, workload=workload.name, system=name, ms=sec * 1e3,
+               tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
+    rows.append(row)
+    print(f"{tag} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.1e}"
+          f"{'' if row['correct'] else '  WRONG'}", flush=True)
+
+
+def markdown(rows) -> str:
+  lines = ["| kernel | workload | system | ms | useful TFLOP/s | rel. error | correct |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['kernel']} | {r['workload']} | {r['system']} | {r['ms']:.3f} | "
+                 f"{r['tflops']:.1f} | {r['relerr']:.1e} | {'yes' if r['correct'] else 'NO'} |")
+  return "\n".join(lines)
+
+
+def chart(rows, path) -> bool:
+  """A bar chart of useful TFLOP/s per workload and system (correct figures only)."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  good = [r for r in rows if r["correct"]]
+  groups = list(dict.fromkeys((r["kernel"], r["workload"]) for r in good))
+  names = list(dict.fromkeys(r["system"] for r in good))
+  fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 5))
+  width = 0.8 / max(len(names), 1)
+  for i, name in enumerate(names):
+    values = [next((r["tflops"] for r in good if (r["kernel"], r["workload"]) == g
+                    and r["system"] == name), 0) for g in groups]
+    ax.bar([x + i * width for x in range(len(groups))], values, width, label=name)
+  ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+  ax.set_xticklabels([f"{k}\n{w}" for k, w in groups], fontsize=8)
+  ax.set_ylabel("useful TFLOP/s")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return True
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
+  parser.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS,
+                      choices=list(wl.WORKLOADS))
+  parser.add_argument("--systems", nargs="*", default=list(sy.SYSTEMS),
+                      choices=list(sy.SYSTEMS))
+  parser.add_argument("--out", default="bench-out", help="folder for the results")
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  device = jax.devices()[0]
+  meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), jax=jax.__version__,
+              gpu=device.device_kind if device.platform == "gpu" else None,
+              backend=jax.default_backend(), matmul_tflops=matmul_tflops())
+  print(meta, flush=True)
+  cases = [(k, wl.WORKLOADS[n]) for k in args.kernels for n in args.workloads
+           if k in wl.WORKLOADS[n].kernels]
+  rows, progress = [], [0, len(cases) * len(args.systems)]
+  for kind, workload in cases:
+    run_case(kind, workload, args.systems, rows, progress)
+  table = markdown(rows)
+  print("\n" + table)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(table + "\n")
+  chart(rows, os.path.join(args.out, "results.png"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

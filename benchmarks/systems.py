@@ -1,0 +1,405 @@
+"""What the harness times: pallas_prefill and every alternative a JAX user could pick.
+
+Each system prepares, from the packed problem (``make_problem``), a callable, its rotated
+input sets, and a function turning its output back into the packed [total_q, heads, d_v]
+layout for the correctness check. A system that cannot serve a workload (no GPU, torch or
+tokamax missing, a mask or a cached prefix it does not support) raises ``Unavailable``.
+
+Only pallas_prefill, the padded XLA path and cuDNN through ``jax.nn.dot_product_attention``
+had been run on the H200 when this was written (2026-11-29); the other anchors' code
+follows their documented APIs and awaits its first GPU run (BUILD_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_prefill as pp
+from benchmarks import workloads as wl
+from pallas_prefill import masks
+
+MHA_SHAPE = dict(heads=32, kv_heads=8, qk=128, v=128)  # GQA 32/8, head dim 128
+MLA_SHAPE = dict(heads=128, kv_heads=128, qk=192, nope=128, rope=64, v=128)  # DeepSeek-V3
+
+
+class Unavailable(Exception):
+  """This system cannot run this workload here; the message says why."""
+
+
+@dataclasses.dataclass
+class Problem:
+  """One input set of a workload, packed as serving code holds it (and paged if asked)."""
+
+  kind: str
+  workload: wl.Workload
+  q: jax.Array
+  kv: tuple  # MHA (k, v); MLA (k_nope, k_rope, v); packed [total_kv, heads, depth]
+  q_offsets: jax.Array
+  kv_offsets: jax.Array | None  # None: K/V packed like Q
+  paged: tuple | None  # the same K/V as PagedKVs, when the workload has a page size
+
+  @property
+  def shape(self):
+    return MHA_SHAPE if self.kind == "mha" else MLA_SHAPE
+
+  @property
+  def kv_lens(self):
+    return self.workload.kv_lens or self.workload.q_lens
+
+
+def make_problem(kind, workload, seed) -> Problem:
+  shape = MHA_SHAPE if kind == "mha" else MLA_SHAPE
+  q_lens = workload.q_lens
+  kv_lens = workload.kv_lens or q_lens
+  keys = iter(jax.random.split(jax.random.key(seed), 5))
+  normal = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16)
+  tq, tkv = sum(q_lens), sum(kv_lens)
+  q = normal(tq, shape["heads"], shape["qk"])
+  if kind == "mha":
+    kv = (normal(tkv, shape["kv_heads"], shape["qk"]), normal(tkv, shape["kv_heads"], shape["v"]))
+  else:
+    kv = (normal(tkv, shape["kv_heads"], shape["nope"]), normal(tkv, 1, shape["rope"]),
+          normal(tkv, shape["kv_heads"], shape["v"]))
+  kv_off = None if workload.kv_lens is None else jnp.asarray(wl.offsets(kv_lens))
+  paged = None
+  if workload.page_size:
+    paged = _to_pages(kv, kv_lens, q_lens, workload.page_size, np.random.default_rng(seed))
+  return Problem(kind, workload, q, kv, jnp.asarray(wl.offsets(q_lens)), kv_off, paged)
+
+
+def _to_pages(kv, kv_lens, q_lens, page_size, rng):
+  """Packed K/V -> PagedKVs over one shuffled block table (cache then new rows)."""
+  kv_lens = np.asarray(kv_lens)
+  per_seq = -(-kv_lens // page_size)
+  num_pages, max_pages = int(per_seq.sum()), int(per_seq.max())
+  order = iter(rng.permutation(num_pages))
+  table = np.zeros((len(kv_lens), max_pages), np.int32)
+  for b, n in enumerate(per_seq):
+    table[b, :n] = [next(order) for _ in range(n)]
+  # Row r of sequence b goes to page table[b, r // page_size], slot r % page_size.
+  dest = np.concatenate([table[b, np.arange(n) // page_size] * page_size
+                         + np.arange(n) % page_size for b, n in enumerate(kv_lens)])
+  cache = jnp.asarray(kv_lens - np.asarray(q_lens), jnp.int32)
+  out = []
+  for x in kv:
+    flat = jnp.zeros((num_pages * page_size,) + x.shape[1:], x.dtype).at[dest].set(x)
+    out.append(pp.PagedKV(flat.reshape(num_pages, page_size, *x.shape[1:]),
+                          jnp.asarray(table), cache))
+  return tuple(out)
+
+
+def reference(problem: Problem):
+  fn = (pp.reference.mha_prefill_reference if problem.kind == "mha"
+        else pp.reference.mla_prefill_reference)
+  return fn(problem.q, *problem.kv, problem.q_offsets, max_prompt_len=problem.workload.max_len,
+            kv_input_row_offsets=problem.kv_offsets, mask=problem.workload.mask)
+
+
+def useful_flops(problem: Problem) -> float:
+  s = problem.shape
+  w = problem.workload
+  return wl.useful_flops(w.q_lens, s["heads"], s["qk"], s["v"], kv_lens=w.kv_lens, mask=w.mask)
+
+
+@dataclasses.dataclass
+class Prepared:
+  fn: Callable  # fn(*args) -> output in the system's own layout
+  arg_sets: list  # one args tuple per input set, rotated while timing
+  to_packed: Callable[[Any], Any]  # output -> packed [total_q, heads, d_v]
+  timer: str = "jax"  # "jax" or "torch"
+
+
+# --------------------------------------------------------------------------------------
+# pallas_prefill
+
+
+def _pallas(problems, *, paged):
+  p0 = problems[0]
+  kernel = pp.mha_prefill if p0.kind == "mha" else pp.mla_prefill
+  if paged and p0.paged is None:
+    raise Unavailable("no paged cache in this workload")
+  w = p0.workload
+
+  @jax.jit
+  def fn(q, kv, q_off, kv_off):
+    return kernel(q, *kv, q_off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len,
+                  mask=w.mask)
+
+  args = [(p.q, p.paged if paged else p.kv, p.q_offsets, None if paged else p.kv_offsets)
+          for p in problems]
+  return Prepared(fn, args, lambda out: out)
+
+
+def pallas_prefill(problems):
+  """Ours: packed, or on the paged cache when the workload has one."""
+  return _pallas(problems, paged=problems[0].paged is not None)
+
+
+def pallas_prefill_contiguous(problems):
+  """Ours on a paged workload's K/V packed contiguously: what paging costs."""
+  if problems[0].paged is None:
+    raise Unavailable("only for paged workloads")
+  return _pallas(problems, paged=False)
+
+
+# --------------------------------------------------------------------------------------
+# Padded layouts (what a JAX user without a ragged kernel does)
+
+
+def _pad(x, lengths, max_len):
+  off = wl.offsets(lengths)
+  return jnp.stack([jnp.pad(x[off[b]:off[b + 1]], [(0, max_len - n)] + [(0, 0)] * (x.ndim - 1))
+                    for b, n in enumerate(lengths)])
+
+
+def _unpad(x, lengths):
+  return jnp.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+
+
+def _dense_qkv(problem):
+  """q, k, v with one K per query-head group's depth: MLA's rope key broadcast to every
+  head and joined to k_nope (V keeps its own depth)."""
+  if problem.kind == "mha":
+    return (problem.q, *problem.kv)
+  k_nope, k_rope, v = problem.kv
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:2] + k_rope.shape[2:])],
+                      axis=-1)
+  return problem.q, k, v
+
+
+def _self_attention_only(problems, what):
+  if problems[0].workload.kv_lens is not None:
+    raise Unavailable(f"{what}: its causal mask is aligned top-left, no cached prefix")
+
+
+def _window(mask):
+  if isinstance(mask, masks.CausalMask):
+    return None
+  if isinstance(mask, masks.SlidingWindowCausalMask):
+    return mask.window
+  raise Unavailable(f"mask {mask!r} not supported")
+
+
+def _jax_nn(problems, implementation):
+  _self_attention_only(problems, "jax.nn.dot_product_attention")
+  w = problems[0].workload
+  window = _window(w.mask)
+  lens = jnp.asarray(w.q_lens, jnp.int32)
+  max_len = w.max_len
+  if implementation == "xla":
+    s = problems[0].shape
+    if len(w.q_lens) * s["heads"] * max_len * max_len * 4 > 16 * 2**30:
+      raise Unavailable("the padded logits would not fit in 16 GiB")
+  args = []
+  for p in problems:
+    q, k, v = _dense_qkv(p)
+    dv = v.shape[-1]
+    v = jnp.pad(v, [(0, 0), (0, 0), (0, q.shape[-1] - dv)])  # cuDNN: V as deep as Q/K
+    args.append(tuple(_pad(x, w.q_lens, max_len) for x in (q, k, v)) + (lens,))
+
+  @jax.jit
+  def fn(q, k, v, lens):
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation)[..., :dv]
+
+  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens))
+
+
+def cudnn_padded(problems):
+  """cuDNN through jax.nn.dot_product_attention on the padded batch, with lengths."""
+  if jax.default_backend() != "gpu":
+    raise Unavailable("needs a GPU")
+  return _jax_nn(problems, "cudnn")
+
+
+def xla_padded(problems):
+  """Plain XLA attention (jax.nn.dot_product_attention, implementation='xla'), padded."""
+  return _jax_nn(problems, "xla")
+
+
+def cudnn_packed(problems):
+  """cuDNN's packed layout through JAX's private fused_attention_stablehlo (q_offsets).
+  MHA only: on MLA's 192/128 depths it returns wrong results (pallas-triton.md)."""
+  if jax.default_backend() != "gpu":
+    raise Unavailable("needs a GPU")
+  p0 = problems[0]
+  if p0.kind != "mha":
+    raise Unavailable("wrong results on MLA depths")
+  _self_attention_only(problems, "cuDNN packed")
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  w = p0.workload
+  window = _window(w.mask)
+  seqlen = jnp.asarray(w.q_lens, jnp.int32)[None]
+  offsets = p0.q_offsets[None]
+
+  @jax.jit
+  def fn(q, k, v):
+    return fa.dot_product_attention(
+        q[None], k[None], v[None], q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+        kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=fa.MaskType.CAUSAL,
+        qkv_layout="BTNH", sliding_window_length=window)[0]
+
+  return Prepared(fn, [(p.q, *p.kv) for p in problems], lambda out: out)
+
+
+def jax_pallas_mha(problems):
+  """JAX's own Pallas Triton attention (ops/gpu/attention.mha) on the padded batch, K/V
+  repeated to every query head, the length padded to a multiple of its 128 blocks."""
+  if jax.default_backend() != "gpu":
+    raise Unavailable("needs a GPU")
+  p0 = problems[0]
+  if p0.kind != "mha" or not isinstance(p0.workload.mask, masks.CausalMask):
+    raise Unavailable("MHA with a causal mask only")
+  _self_attention_only(problems, "ops.gpu.attention.mha")
+  from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
+
+  w = p0.workload
+  max_len = -(-w.max_len // 128) * 128
+  group = p0.shape["heads"] // p0.shape["kv_heads"]
+  args = [tuple(_pad(x, w.q_lens, max_len) for x in
+                (p.q, jnp.repeat(p.kv[0], group, 1), jnp.repeat(p.kv[1], group, 1)))
+          for p in problems]
+  fn = jax.jit(lambda q, k, v: attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
+                                             causal=True))
+  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens))
+
+
+def tokamax_mosaic(problems):
+  return _tokamax(problems, "mosaic")
+
+
+def tokamax_triton(problems):
+  return _tokamax(problems, "triton")
+
+
+def _tokamax(problems, implementation):
+  """tokamax's dot_product_attention on the padded batch with lengths (V keeps its depth)."""
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise Unavailable(f"tokamax not importable: {e}") from None
+  _self_attention_only(problems, "tokamax")
+  w = problems[0].workload
+  window = _window(w.mask)
+  lens = jnp.asarray(w.q_lens, jnp.int32)
+  args = [tuple(_pad(x, w.q_lens, w.max_len) for x in _dense_qkv(p)) + (lens,)
+          for p in problems]
+
+  @jax.jit
+  def fn(q, k, v, lens):
+    return tokamax.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation)
+
+  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens))
+
+
+# --------------------------------------------------------------------------------------
+# torch (on the H200 image), fed the same data through DLPack
+
+
+def _torch():
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise Unavailable(f"torch not importable: {e}") from None
+  if not torch.cuda.is_available():
+    raise Unavailable("torch sees no GPU")
+  return torch
+
+
+def _to_torch(torch, x):
+  return torch.from_dlpack(x)
+
+
+def torch_sdpa_cudnn(problems):
+  """torch's scaled_dot_product_attention, cuDNN backend, padded [B, heads, L, D]."""
+  torch = _torch()
+  from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=g-import-not-at-top
+
+  _self_attention_only(problems, "torch SDPA")
+  w = problems[0].workload
+  if not isinstance(w.mask, masks.CausalMask):
+    raise Unavailable("causal only (is_causal)")
+  args = []
+  for p in problems:
+    q, k, v = _dense_qkv(p)
+    dv = v.shape[-1]
+    v = jnp.pad(v, [(0, 0), (0, 0), (0, q.shape[-1] - dv)])
+    args.append(tuple(_to_torch(torch, _pad(x, w.q_lens, w.max_len)).transpose(1, 2)
+                      for x in (q, k, v)))
+
+  def fn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+      return torch.nn.functional.scaled_dot_product_attention(
+          q, k, v, is_causal=True, enable_gqa=True)[..., :dv]
+
+  def to_packed(out):
+    return _unpad(jnp.asarray(out.transpose(1, 2).float().cpu().numpy()), w.q_lens)
+
+  return Prepared(fn, args, to_packed, timer="torch")
+
+
+def torch_flex(problems):
+  """torch FlexAttention, packed [1, heads, total, D], with a document mask that keeps
+  each sequence's (bottom-right aligned) causal or window pattern."""
+  torch = _torch()
+  from torch.nn.attention import flex_attention as fa  # pylint: disable=g-import-not-at-top
+
+  p0 = problems[0]
+  w = p0.workload
+  if p0.paged is not None:
+    raise Unavailable("no paged cache")
+  window = _window(w.mask)
+  kv_lens = np.asarray(p0.kv_lens)
+  q_lens = np.asarray(w.q_lens)
+  dev = "cuda"
+  q_doc = torch.as_tensor(np.repeat(np.arange(len(q_lens)), q_lens), device=dev)
+  kv_doc = torch.as_tensor(np.repeat(np.arange(len(kv_lens)), kv_lens), device=dev)
+  q_pos = torch.as_tensor(np.concatenate([np.arange(n) + (kv_lens[b] - n)
+                                          for b, n in enumerate(q_lens)]), device=dev)
+  kv_pos = torch.as_tensor(np.concatenate([np.arange(n) for n in kv_lens]), device=dev)
+
+  def mask_mod(b, h, qi, ki):
+    del b, h
+    keep = (q_doc[qi] == kv_doc[ki]) & (kv_pos[ki] <= q_pos[qi])
+    if window is not None:
+      keep = keep & (kv_pos[ki] > q_pos[qi] - window)
+    return keep
+
+  block_mask = fa.create_block_mask(mask_mod, None, None, int(q_lens.sum()),
+                                    int(kv_lens.sum()), device=dev)
+  flex = torch.compile(fa.flex_attention)
+  args = [tuple(_to_torch(torch, x)[None].transpose(1, 2) for x in _dense_qkv(p))
+          for p in problems]
+
+  def fn(q, k, v):
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+  def to_packed(out):
+    return jnp.asarray(out[0].transpose(0, 1).float().cpu().numpy())
+
+  return Prepared(fn, args, to_packed, timer="torch")
+
+
+SYSTEMS = {
+    "pallas_prefill": pallas_prefill,
+    "pallas_prefill_contiguous": pallas_prefill_contiguous,
+    "cudnn_padded": cudnn_padded,
+    "cudnn_packed": cudnn_packed,
+    "jax_pallas_mha": jax_pallas_mha,
+    "xla_padded": xla_padded,
+    "tokamax_mosaic": tokamax_mosaic,
+    "tokamax_triton": tokamax_triton,
+    "torch_sdpa_cudnn": torch_sdpa_cudnn,
+    "torch_flex": torch_flex,
+}

@@ -1,0 +1,109 @@
+"""The tile tuner: sweeps MhaConfig per (kernel, depths, dtype, mask kind, prompt length
+class) on the GPU and writes the winners into pallas_prefill/tuned.py, which config=None
+reads (keyed by the device kind).
+
+    python -m benchmarks.tune [--kernels mha mla] [--write]
+
+Each candidate is timed like the harness (benchmarks/run.py) on the workloads of its
+length class (short: short64; long: equal4x4096 and skew16_16k) and must pass the
+correctness check; the winner has the best geometric mean of useful TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import pprint
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import pallas_prefill as pp
+from benchmarks import run, systems as sy, workloads as wl
+from pallas_prefill import config as config_lib
+from pallas_prefill import tuned
+
+SWEEP = [pp.MhaConfig(bq, bk, w, s) for bq, bk, w, s in itertools.product(
+    (64, 128), (32, 64), (4, 8), (2, 3))]
+CLASSES = {False: ("short64",), True: ("equal4x4096", "skew16_16k")}  # long prompts?
+DEPTHS = {"mha": (sy.MHA_SHAPE["qk"], sy.MHA_SHAPE["v"]),
+          "mla": (sy.MLA_SHAPE["nope"] + sy.MLA_SHAPE["rope"], sy.MLA_SHAPE["v"])}
+
+
+def candidate_tflops(kind, workload_names, cfg) -> float | None:
+  """Geometric mean of useful TFLOP/s over the workloads, None if any run fails or errs."""
+  scores = []
+  for name in workload_names:
+    problems = [sy.make_problem(kind, wl.WORKLOADS[name], seed) for seed in range(3)]
+    prepared = sy.pallas_prefill(problems)
+    fn = jax.jit(lambda q, kv, off, kv_off, cfg=cfg, w=problems[0].workload: (
+        pp.mha_prefill if kind == "mha" else pp.mla_prefill)(
+            q, *kv, off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len, mask=w.mask,
+            config=cfg))
+    try:
+      out = fn(*prepared.arg_sets[0])
+    except Exception as e:  # pylint: disable=broad-except  (e.g. shared memory exceeded)
+      print(f"  {kind} {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+      return None
+    if run.rel_err(out, sy.reference(problems[0])) >= run.TOLERANCE:
+      return None
+    tflops = sy.useful_flops(problems[0]) / run.bench_jax(fn, prepared.arg_sets) / 1e12
+    print(f"  {kind} {name:12s} {cfg}: {tflops:.1f} TFLOP/s", flush=True)
+    scores.append(tflops)
+  return math.exp(sum(map(math.log, scores)) / len(scores))
+
+
+HEADER = '''"""Tuned kernel configurations: written by ``python -m benchmarks.tune`` on the GPU it names.
+
+device kind -> {(QK depth, V depth, dtype, mask kind, long prompts): (block_q, block_kv,
+num_warps, num_stages)}. The QK depth is the sum of the logit terms' padded widths (MLA's
+128 + 64 is 192); "long" means max_prompt_len > config.LONG_PROMPT. BUILD_NOTES.md, "Tile
+sweeps", says where each entry was measured.
+"""
+'''
+
+
+def write_table(path, table) -> None:
+  """Writes pallas_prefill/tuned.py holding `table` (device kind -> {key: tuple})."""
+  lines = [HEADER, "TUNED = {"]
+  for device in sorted(table):
+    lines.append(f"    {device!r}: {{".replace("'", '"'))
+    for key in sorted(table[device], key=repr):
+      lines.append(f"        {key!r}: {table[device][key]!r},".replace("'", '"'))
+    lines.append("    },")
+  lines.append("}")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
+  parser.add_argument("--write", action="store_true", help="update pallas_prefill/tuned.py")
+  args = parser.parse_args(argv)
+  device = jax.devices()[0].device_kind
+  table = {k: dict(v) for k, v in tuned.TUNED.items()}
+  for kind in args.kernels:
+    qk, v = DEPTHS[kind]
+    for long, names in CLASSES.items():
+      scored = [(candidate_tflops(kind, names, cfg), cfg) for cfg in SWEEP]
+      scored = [(s, cfg) for s, cfg in scored if s is not None]
+      if not scored:
+        print(f"{kind} long={long}: no candidate passed", flush=True)
+        continue
+      best, cfg = max(scored, key=lambda x: x[0])
+      key = config_lib.tuned_key(qk, v, jnp.bfloat16, pp.masks.CausalMask(),
+                                 config_lib.LONG_PROMPT + 1 if long else 1)
+      table.setdefault(device, {})[key] = (cfg.block_q, cfg.block_kv, cfg.num_warps,
+                                           cfg.num_stages)
+      print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean)", flush=True)
+  if args.write:
+    write_table(tuned.__file__, table)
+  pprint.pprint(table)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,16 @@
+"""Tuned kernel configurations: written by ``python -m benchmarks.tune`` on the GPU it names.
+
+device kind -> {(QK depth, V depth, dtype, mask kind, long prompts): (block_q, block_kv,
+num_warps, num_stages)}. The QK depth is the sum of the logit terms' padded widths (MLA's
+128 + 64 is 192); "long" means max_prompt_len > config.LONG_PROMPT. BUILD_NOTES.md, "Tile
+sweeps", says where each entry was measured.
+"""
+
+TUNED = {
+    "NVIDIA H200": {
+        (128, 128, "bfloat16", "CausalMask", False): (64, 32, 4, 3),
+        (128, 128, "bfloat16", "CausalMask", True): (64, 32, 4, 3),
+        (192, 128, "bfloat16", "CausalMask", False): (64, 32, 4, 2),
+        (192, 128, "bfloat16", "CausalMask", True): (128, 32, 4, 3),
+    },
+}

@@ -1,0 +1,53 @@
+"""The benchmark harness itself, on the CPU: FLOP counting, and a smoke run of
+`python -m benchmarks.run` on tiny workloads in interpret mode (the GPU systems report
+themselves unavailable here)."""
+
+import json
+
+import pytest
+
+from benchmarks import run, workloads as wl
+from pallas_prefill import masks
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,mask,pairs", [
+    ([4096], None, masks.CausalMask(), 4096 * 4097 // 2),
+    ([10], None, masks.SlidingWindowCausalMask(3), 1 + 2 + 3 * 8),
+    ([10], None, masks.ChunkedCausalMask(4), 10 + 10 + 3),
+    ([3], [5], masks.NullMask(), 15),
+    ([5], [3], masks.CausalMask(), 0 + 0 + 1 + 2 + 3),  # cross-attention: start_pos -2
+    ([2, 3], [6, 3], masks.CausalMask(), 5 + 6 + 6),  # a cached prefix of 4
+])
+def test_visible_pairs(q_lens, kv_lens, mask, pairs):
+  assert wl.visible_pairs(q_lens, kv_lens, mask) == pairs
+
+
+def test_harness_smoke_run_writes_results(tmp_path, capsys):
+  run.main(["--kernels", "mha", "--workloads", *wl.SMOKE, "--systems", "pallas_prefill",
+            "pallas_prefill_contiguous", "xla_padded", "cudnn_packed", "--out",
+            str(tmp_path)])
+  printed = capsys.readouterr().out
+  assert "n/a" in printed  # cuDNN needs a GPU: said, not fatal
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert {"date", "commit", "jax", "gpu", "matmul_tflops"} <= set(results["meta"])
+  got = {(r["workload"], r["system"]): r for r in results["rows"]}
+  assert set(got) == {("tiny", "pallas_prefill"), ("tiny", "xla_padded"),
+                      ("tiny_paged", "pallas_prefill"),
+                      ("tiny_paged", "pallas_prefill_contiguous")}
+  for r in got.values():
+    assert set(r) == {"kernel", "workload", "system", "ms", "tflops", "relerr", "correct"}
+    assert r["correct"] and r["relerr"] < 1e-2 and r["ms"] > 0 and r["tflops"] > 0
+  assert "| mha | tiny | pallas_prefill |" in (tmp_path / "results.md").read_text()
+
+
+def test_tuner_writes_a_table_config_reads(tmp_path):
+  import runpy
+
+  from benchmarks import tune
+  from pallas_prefill import tuned
+
+  table = {k: dict(v) for k, v in tuned.TUNED.items()}
+  table.setdefault("Some GPU", {})[(128, 128, "float16", "NullMask", True)] = (128, 64, 8, 3)
+  path = tmp_path / "tuned.py"
+  tune.write_table(path, table)
+  assert runpy.run_path(str(path))["TUNED"] == table
