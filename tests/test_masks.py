@@ -1,0 +1,35 @@
+"""The mask interface the kernel relies on to skip and to leave unmasked whole KV tiles:
+exhaustively over small ranges, kv_range covers every visible key and full_range holds
+only keys every query of the tile sees."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pallas_prefill import masks
+
+MASKS = [masks.NullMask(), masks.CausalMask(), masks.SlidingWindowCausalMask(1),
+         masks.SlidingWindowCausalMask(5), masks.ChunkedCausalMask(1),
+         masks.ChunkedCausalMask(4), masks.ChunkedCausalMask(7)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_tile_ranges_agree_with_visible(mask):
+  for kv_len, q_lo in itertools.product(range(0, 14), range(-5, 14)):
+    keys = np.arange(kv_len)
+    for q_hi in range(q_lo, q_lo + 7):
+      queries = np.arange(q_lo, q_hi + 1)
+      vis = np.asarray(mask.visible(queries[:, None], keys[None, :])).reshape(
+          len(queries), kv_len)
+      lo, hi = (int(x) for x in mask.kv_range(np.int32(q_lo), np.int32(q_hi),
+                                               np.int32(kv_len)))
+      full_lo, full_hi = (int(x) for x in mask.full_range(np.int32(q_lo), np.int32(q_hi),
+                                                           np.int32(kv_len)))
+      where = f"{mask} kv_len={kv_len} queries {q_lo}..{q_hi}"
+      assert 0 <= lo and hi <= kv_len, where
+      seen = np.flatnonzero(vis.any(axis=0))
+      assert ((seen >= lo) & (seen < hi)).all(), f"kv_range misses keys: {where}"
+      if full_hi > full_lo:
+        assert 0 <= full_lo and full_hi <= kv_len, where
+        assert vis[:, full_lo:full_hi].all(), f"full_range holds hidden keys: {where}"
