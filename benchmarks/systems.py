@@ -317,10 +317,6 @@ def _torch():
   return torch
 
 
-def _to_torch(torch, x):
-  return torch.from_dlpack(x)
-
-
 def torch_sdpa_cudnn(problems):
   """torch's scaled_dot_product_attention, cuDNN backend, padded [B, heads, L, D]."""
   torch = _torch()
@@ -335,7 +331,7 @@ def torch_sdpa_cudnn(problems):
     q, k, v = _dense_qkv(p)
     dv = v.shape[-1]
     v = jnp.pad(v, [(0, 0), (0, 0), (0, q.shape[-1] - dv)])
-    args.append(tuple(_to_torch(torch, _pad(x, w.q_lens, w.max_len)).transpose(1, 2)
+    args.append(tuple(torch.from_dlpack(_pad(x, w.q_lens, w.max_len)).transpose(1, 2)
                       for x in (q, k, v)))
 
   def fn(q, k, v):
@@ -379,7 +375,7 @@ def torch_flex(problems):
   block_mask = fa.create_block_mask(mask_mod, None, None, int(q_lens.sum()),
                                     int(kv_lens.sum()), device=dev)
   flex = torch.compile(fa.flex_attention)
-  args = [tuple(_to_torch(torch, x)[None].transpose(1, 2) for x in _dense_qkv(p))
+  args = [tuple(torch.from_dlpack(x)[None].transpose(1, 2) for x in _dense_qkv(p))
           for p in problems]
 
   def fn(q, k, v):

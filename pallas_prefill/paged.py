@@ -99,13 +99,13 @@ def check_paged(operands, batch):
     if kv.pages.shape[:2] != first.pages.shape[:2]:
       raise ValueError(f"{name}.pages and {first_name}.pages must have the same number and "
                        f"size of pages: {tuple(kv.pages.shape)} vs {tuple(first.pages.shape)}")
-    for field, rank, shape in (("block_table", 2, (batch,)), ("cache_lengths", 1, (batch,))):
+    for field, rank in (("block_table", 2), ("cache_lengths", 1)):
       x = getattr(kv, field)
       if not hasattr(x, "shape") or x.ndim != rank or jnp.dtype(x.dtype) != jnp.int32:
         raise ValueError(f"{name}.{field} must be a rank-{rank} int32 array, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}"
                          f"{tuple(getattr(x, 'shape', ()))}")
-      if x.shape[0] != shape[0]:
+      if x.shape[0] != batch:
         raise ValueError(f"{name}.{field} must have batch = {batch} rows, got "
                          f"{x.shape[0]}")
     if kv.block_table.shape != first.block_table.shape:
@@ -130,7 +130,7 @@ def validate_paged(kv: PagedKV, input_row_offsets, name="k"):
                      f"pages of {kv.page_size} hold")
   num_pages = kv.pages.shape[0]
   for b, kv_len in enumerate(kv_lens):
-    used = table[b, :-(-int(kv_len) // kv.page_size)] if kv_len else table[b, :0]
+    used = table[b, :-(-int(kv_len) // kv.page_size)]  # the pages holding its K/V
     if ((used < 0) | (used >= num_pages)).any():
       bad = int(used[(used < 0) | (used >= num_pages)][0])
       raise ValueError(f"{name}.block_table[{b}] holds page id {bad}, outside the "

@@ -63,10 +63,11 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
   if not _may_partition():
     return fn(*operands, **static)
   leaves, treedef = jax.tree.flatten(operands)
-  wrapped = _partitioned(fn, treedef, _leaf_roles(operands, roles), tuple(out_roles),
-                         num_heads, num_kv_heads, tuple(sorted(static.items())),
-                         tuple((x.ndim, x.shape[r.axis] if r else 0) for x, r in
-                               zip(leaves, _leaf_roles(operands, roles))))
+  leaf_roles = _leaf_roles(operands, roles)
+  wrapped = _partitioned(fn, treedef, leaf_roles, tuple(out_roles), num_heads, num_kv_heads,
+                         tuple(sorted(static.items())),
+                         tuple((x.ndim, x.shape[r.axis] if r else 0)
+                               for x, r in zip(leaves, leaf_roles)))
   return wrapped(*leaves)
 
 

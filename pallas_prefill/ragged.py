@@ -271,8 +271,9 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
     kv_layout = "packed" if kv_offsets is None else "offsets"
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), kv_layout=kv_layout,
-      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask, scale=scale * _LOG2_E, block_q=config.block_q,
-      block_kv=config.block_kv, num_tiles=num_tiles, group=num_heads // num_kv_heads)
+      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
+      scale=scale * _LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      num_tiles=num_tiles, group=num_heads // num_kv_heads)
   inputs = [q_offsets]
   inputs += [kv_offsets] if kv_offsets is not None else []
   inputs += list(paged) if paged is not None else []

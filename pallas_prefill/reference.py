@@ -2,8 +2,8 @@
 
 Dense over all packed rows (a query sees a key iff both belong to the same sequence and
 the mask allows it), processed in blocks of query rows to bound memory. Works with traced
-offsets. Paged K/V (``PagedKV``) is first gathered into a contiguous layout. The matrix products run at HIGHEST precision so that the reference is float32 on
-the GPU too, not TF32.
+offsets. Paged K/V (``PagedKV``) is first gathered into a contiguous layout. The matrix
+products run at HIGHEST precision so that the reference is float32 on the GPU too, not TF32.
 """
 
 from __future__ import annotations
