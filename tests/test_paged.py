@@ -206,3 +206,24 @@ def test_paged_lowers_for_h200(kind, page_size):
   lowered = lower_for_h200(fn, *args, S((5,), jnp.int32))
   [call] = triton_calls(lowered)
   assert call.name == KERNEL_NAME and call.grid[2] == 4
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+def test_paged_default_tiles_follow_the_page(page_size):
+  """config=None on a paged cache: the KV tile lies inside a page, and for QK depths up to
+  128 takes up to 64 of its rows (what hides the block-table read, BUILD_NOTES.md)."""
+  from pallas_prefill import config as config_lib
+  from tests.test_lowering import H200_MESH, use_abstract_mesh
+
+  causal = masks.CausalMask()
+  with use_abstract_mesh(H200_MESH):
+    for dtype in (jnp.bfloat16, jnp.float32):
+      for max_len in (512, 4096):
+        plain = config_lib.default_config(128, 128, dtype, causal, max_len)
+        paged = config_lib.default_config(128, 128, dtype, causal, max_len, page_size)
+        assert paged.block_kv == min(page_size, max(plain.block_kv, 64))
+        assert (paged.block_q, paged.num_warps, paged.num_stages) == (
+            plain.block_q, plain.num_warps, plain.num_stages)
+        mla = config_lib.default_config(192, 128, dtype, causal, max_len)
+        mla_paged = config_lib.default_config(192, 128, dtype, causal, max_len, page_size)
+        assert mla_paged == dataclasses.replace(mla, block_kv=min(mla.block_kv, page_size))
