@@ -2,10 +2,16 @@
 # On the H200 (the device tool runs this from the repo root): the GPU tests (4 processes
 # compile in parallel), then the harness; arguments go to benchmarks.run. Results land in
 # $OUT (or ./h200-out): gpu-tests.log, bench.log, results.json, results.md, results.png.
+# Wheels carried in .whl (tokamax and its dependencies, BUILD_NOTES.md) are installed first.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu tests -p no:cacheprovider \
-  -p no:benchmark -n 4 2>&1 | tee "$out/gpu-tests.log" | tail -25
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# JAX allocates on demand: torch's anchors share the GPU in the same process.
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark -n 4 2>&1 \
+  | tee "$out/gpu-tests.log" | tail -25
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
