@@ -71,11 +71,15 @@ def matmul_tflops() -> float:
 
 
 def commit() -> str:
+  """The commit measured: $PALLAS_PREFILL_COMMIT when set (the device tool's copy of the
+  working tree may carry a stale .git), else git's HEAD."""
+  if os.environ.get("PALLAS_PREFILL_COMMIT"):
+    return os.environ["PALLAS_PREFILL_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("PALLAS_PREFILL_COMMIT", "unknown")
+    return "unknown"
 
 
 def run_case(kind, workload, system_names, rows, progress):

@@ -5,9 +5,8 @@ input sets, and a function turning its output back into the packed [total_q, hea
 layout for the correctness check. A system that cannot serve a workload (no GPU, torch or
 tokamax missing, a mask or a cached prefix it does not support) raises ``Unavailable``.
 
-Only pallas_prefill, the padded XLA path and cuDNN through ``jax.nn.dot_product_attention``
-had been run on the H200 when this was written (2026-11-29); the other anchors' code
-follows their documented APIs and awaits its first GPU run (BUILD_NOTES.md).
+Every system here ran on the H200 on 2026-11-29 (benchmarks/results/h200.json); tokamax
+needs its wheels carried there (BUILD_NOTES.md).
 """
 
 from __future__ import annotations

@@ -51,3 +51,27 @@ def test_tuner_writes_a_table_config_reads(tmp_path):
   path = tmp_path / "tuned.py"
   tune.write_table(path, table)
   assert runpy.run_path(str(path))["TUNED"] == table
+
+
+def test_scaling_measures_a_head_sharded_call(monkeypatch):
+  """benchmarks.scaling on 2 of the 4 host devices (interpret mode): the sharded call is
+  correct, keeps the head sharding and compiles without a collective. (Timing is the
+  harness's; one call each keeps this quick.)"""
+  import jax
+
+  from benchmarks import scaling
+
+  def once(fn, arg_sets, **_):
+    jax.block_until_ready(fn(*arg_sets[0]))
+    return 1e-3
+
+  monkeypatch.setattr(run, "bench_jax", once)
+  row = scaling.measure("mha", wl.WORKLOADS["tiny"], 2)
+  assert row["correct"] and row["relerr_sharded"] < run.TOLERANCE
+  assert row["collectives"] == []
+  assert "heads" in row["out_sharding"]
+
+
+def test_commit_prefers_the_environment(monkeypatch):
+  monkeypatch.setenv("PALLAS_PREFILL_COMMIT", "abc1234")
+  assert run.commit() == "abc1234"
