@@ -60,9 +60,9 @@ def tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len) -> tuple:
           max_prompt_len > LONG_PROMPT)
 
 
-# On a paged cache each KV tile costs a block-table read; with depths up to this, KV
-# tiles of at least this many rows (when the page has them) hide it (BUILD_NOTES.md).
-PAGED_MIN_BLOCK_KV = (128, 64)  # (QK depth at most, rows)
+# On a paged cache each KV tile costs a block-table read; KV tiles of at least this many
+# rows (when the page has them) hide it (measured for bf16 at depth 128, BUILD_NOTES.md).
+PAGED_MIN_BLOCK_KV = 64
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
@@ -73,18 +73,18 @@ def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   entry, else the causal one); an unknown device or shape gets a safe default: 64 x 32
   tiles, which keep Q, the K/V stages and the accumulator well inside shared memory and
   registers up to depth 256 in float32. With a paged cache (``page_size``) the KV tile
-  lies inside one page, and for QK depths up to 128 it takes up to 64 rows of it.
+  lies inside one page, and for rows up to 256 bytes wide (bf16 at depth 128) it takes up
+  to ``PAGED_MIN_BLOCK_KV`` rows of it.
   """
   table = TUNED.get(_device_kind(), {})
   key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
   tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  wide = max(qk_depth, v_depth) * jnp.dtype(dtype).itemsize > 256  # wider than bf16 d128
   if tuned is not None:
     config = MhaConfig(*tuned)
   else:
-    wide = max(qk_depth, v_depth) * jnp.dtype(dtype).itemsize > 256  # wider than bf16 d128
     config = MhaConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2 if wide else 3)
   if page_size is not None:
-    max_depth, rows = PAGED_MIN_BLOCK_KV
-    block_kv = max(config.block_kv, rows) if qk_depth <= max_depth else config.block_kv
+    block_kv = config.block_kv if wide else max(config.block_kv, PAGED_MIN_BLOCK_KV)
     config = dataclasses.replace(config, block_kv=min(block_kv, page_size))
   return config
