@@ -25,39 +25,35 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import pallas_prefill as pp
 from benchmarks import run, systems as sy, workloads as wl
 
 COLLECTIVES = re.compile(r"all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter")
 
 
-def _call(kind, workload):
-  kernel = pp.mha_prefill if kind == "mha" else pp.mla_prefill
-
-  def fn(q, kv, q_off):
-    return kernel(q, *kv, q_off, max_prompt_len=workload.max_len, mask=workload.mask)
-
-  return jax.jit(fn)
-
-
-def _shard(problem, mesh):
+def _shard(args, mesh):
+  """The harness's (q, kv, q_offsets, kv_offsets) with q and K/V split along their head
+  axis (a one-head K, MLA's shared rope key, replicated) and the offsets replicated."""
   heads = NamedSharding(mesh, P(None, "heads", None))
   replicated = NamedSharding(mesh, P())
-  kv = tuple(jax.device_put(x, heads if x.shape[1] > 1 else replicated) for x in problem.kv)
-  return (jax.device_put(problem.q, heads), kv, jax.device_put(problem.q_offsets, replicated))
+  q, kv, q_off, kv_off = args
+  kv = tuple(jax.device_put(x, heads if x.shape[1] > 1 else replicated) for x in kv)
+  offsets = [None if o is None else jax.device_put(o, replicated) for o in (q_off, kv_off)]
+  return (jax.device_put(q, heads), kv, *offsets)
 
 
 def measure(kind, workload, n_devices):
+  if workload.page_size:
+    raise ValueError(f"{workload.name}: the scaling run takes packed K/V, not a paged cache")
   problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
   ref = sy.reference(problems[0])
   flops = sy.useful_flops(problems[0])
-  fn = _call(kind, workload)
-  one = [(p.q, p.kv, p.q_offsets) for p in problems]
+  prepared = sy.pallas_prefill(problems)  # the harness's jitted call and its input sets
+  fn, one = prepared.fn, prepared.arg_sets
   err_one = run.rel_err(fn(*one[0]), ref)
   sec_one = run.bench_jax(fn, one)
 
   mesh = Mesh(np.asarray(jax.devices()[:n_devices]), ("heads",))
-  many = [_shard(p, mesh) for p in problems]
+  many = [_shard(args, mesh) for args in one]
   out = fn(*many[0])
   err_many = run.rel_err(out, ref)
   spec = out.sharding.spec if isinstance(out.sharding, NamedSharding) else out.sharding
