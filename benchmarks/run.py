@@ -101,7 +101,8 @@ def run_case(kind, workload, system_names, rows, progress):
     except Exception as e:  # pylint: disable=broad-except
       print(f"{tag} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
-    row = dict(kernel=kind, workload=workload.name, system=name, ms=sec * 1e3,
+    row = dict(kernel=kind, workload=workload.name, system=name,
+               backend=sy.BACKENDS.get(name, ""), ms=sec * 1e3,
                tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
     rows.append(row)
     print(f"{tag} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.1e}"
@@ -109,10 +110,11 @@ def run_case(kind, workload, system_names, rows, progress):
 
 
 def markdown(rows) -> str:
-  lines = ["| kernel | workload | system | ms | useful TFLOP/s | rel. error | correct |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| kernel | workload | system | backend | ms | useful TFLOP/s | rel. error | "
+           "correct |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['kernel']} | {r['workload']} | {r['system']} | {r['ms']:.3f} | "
+    lines.append(f"| {r['kernel']} | {r['workload']} | {r['system']} | "
+                 f"{r.get('backend', '')} | {r['ms']:.3f} | "
                  f"{r['tflops']:.1f} | {r['relerr']:.1e} | {'yes' if r['correct'] else 'NO'} |")
   return "\n".join(lines)
 

@@ -121,17 +121,19 @@ class Prepared:
 # pallas_prefill
 
 
-def _pallas(problems, *, paged):
+def _pallas(problems, *, paged, backend="triton"):
   p0 = problems[0]
   kernel = pp.mha_prefill if p0.kind == "mha" else pp.mla_prefill
   if paged and p0.paged is None:
     raise Unavailable("no paged cache in this workload")
+  if paged and backend == "mosaic_gpu":
+    raise Unavailable("the mosaic_gpu backend has no paged caches yet")
   w = p0.workload
 
   @jax.jit
   def fn(q, kv, q_off, kv_off):
     return kernel(q, *kv, q_off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len,
-                  mask=w.mask)
+                  mask=w.mask, backend=backend)
 
   args = [(p.q, p.paged if paged else p.kv, p.q_offsets, None if paged else p.kv_offsets)
           for p in problems]
@@ -141,6 +143,11 @@ def _pallas(problems, *, paged):
 def pallas_prefill(problems):
   """Ours: packed, or on the paged cache when the workload has one."""
   return _pallas(problems, paged=problems[0].paged is not None)
+
+
+def pallas_prefill_mosaic(problems):
+  """Ours, backend="mosaic_gpu" (Hopper): packed K/V."""
+  return _pallas(problems, paged=problems[0].paged is not None, backend="mosaic_gpu")
 
 
 def pallas_prefill_contiguous(problems):
@@ -406,8 +413,13 @@ def torch_flex(problems):
   return Prepared(fn, args, to_packed, timer="torch")
 
 
+# The pallas_prefill backend each of our systems runs (the harness's backend column).
+BACKENDS = {"pallas_prefill": "triton", "pallas_prefill_mosaic": "mosaic_gpu",
+            "pallas_prefill_contiguous": "triton"}
+
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,
+    "pallas_prefill_mosaic": pallas_prefill_mosaic,
     "pallas_prefill_contiguous": pallas_prefill_contiguous,
     "cudnn_padded": cudnn_padded,
     "cudnn_packed": cudnn_packed,

@@ -68,15 +68,27 @@ sweeps", says where each entry was measured.
 '''
 
 
-def write_table(path, table) -> None:
-  """Writes pallas_prefill/tuned.py holding `table` (device kind -> {key: tuple})."""
-  lines = [HEADER, "TUNED = {"]
+MOSAIC_HEADER = '''
+# backend="mosaic_gpu": device kind -> {key as above: (block_q, block_kv, num_stages,
+# faster than Triton)}; the last field is what backend="auto" follows.'''
+
+
+def _table_lines(name, table):
+  lines = [f"{name} = {{"]
   for device in sorted(table):
     lines.append(f"    {device!r}: {{".replace("'", '"'))
     for key in sorted(table[device], key=repr):
       lines.append(f"        {key!r}: {table[device][key]!r},".replace("'", '"'))
     lines.append("    },")
-  lines.append("}")
+  return lines + ["}"]
+
+
+def write_table(path, table, mosaic_table=None) -> None:
+  """Writes pallas_prefill/tuned.py holding `table` (device kind -> {key: tuple}) and the
+  Mosaic GPU table (kept as it is when None)."""
+  mosaic_table = tuned.TUNED_MOSAIC if mosaic_table is None else mosaic_table
+  lines = [HEADER] + _table_lines("TUNED", table) + [MOSAIC_HEADER]
+  lines += _table_lines("TUNED_MOSAIC", mosaic_table)
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
 

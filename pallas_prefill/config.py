@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_prefill.tuned import TUNED
+from pallas_prefill.tuned import TUNED, TUNED_MOSAIC
 
 
 def _is_pow2(x) -> bool:
@@ -42,6 +42,32 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiling of the Mosaic GPU (Hopper) kernels, ``backend="mosaic_gpu"``.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (each program has two): 64.
+    block_kv: key/value rows per pipeline stage: 64 or 128.
+    num_stages: K/V shared-memory slots the producer warpgroup fills ahead (>= 2).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"MosaicConfig.block_q must be 64 (one warpgroup's matrix "
+                       f"instruction rows), got {self.block_q!r}")
+    if self.block_kv not in (64, 128) or isinstance(self.block_kv, bool):
+      raise ValueError(f"MosaicConfig.block_kv must be 64 or 128, got {self.block_kv!r}")
+    if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
+        self.num_stages < 2):
+      raise ValueError(f"MosaicConfig.num_stages must be an int >= 2, got "
+                       f"{self.num_stages!r}")
+
+
 LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry
 
 
@@ -63,6 +89,30 @@ def tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len) -> tuple:
 # On a paged cache each KV tile costs a block-table read; KV tiles of at least this many
 # rows (when the page has them) hide it (measured for bf16 at depth 128, BUILD_NOTES.md).
 PAGED_MIN_BLOCK_KV = 64
+
+
+def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
+                          max_prompt_len: int) -> MosaicConfig:
+  """The Mosaic GPU configuration ``config=None`` uses: the tuned entry for the device, else
+  128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows of K and V
+  would not fit shared memory twice over (MLA's 192 + 128)."""
+  table = TUNED_MOSAIC.get(_device_kind(), {})
+  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
+  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  if tuned is not None:
+    return MosaicConfig(*tuned[:3])
+  if (qk_depth + v_depth) * jnp.dtype(dtype).itemsize * 128 * 2 > 128 * 1024:
+    return MosaicConfig(block_kv=64, num_stages=3)
+  return MosaicConfig(block_kv=128, num_stages=2)
+
+
+def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int) -> bool:
+  """Whether ``backend="auto"`` picks Mosaic GPU: the tuned table's verdict for the device
+  (the last field of an entry: measured faster than Triton on the H200)."""
+  table = TUNED_MOSAIC.get(_device_kind(), {})
+  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
+  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  return tuned is not None and tuned[3]
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

@@ -15,7 +15,8 @@ from pallas_prefill import validation as val
 
 def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
                 mask=masks_lib.CausalMask(), scale=None, sink_weights=None,
-                output_dtype=None, return_lse=False, config=None, interpret=None):
+                output_dtype=None, return_lse=False, config=None, interpret=None,
+                backend="triton"):
   """Attention prefill over a ragged (packed) batch of prompts.
 
   Sequence b's queries are rows ``input_row_offsets[b]:input_row_offsets[b+1]`` of ``q``;
@@ -46,9 +47,16 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     output_dtype: dtype of the output; default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp of each row's logits, sink
       included, for merging chunks (rows that see no key and have no sink: -1e30).
-    config: a ``MhaConfig``; None picks the tuned default for the head dims and device.
+    config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
+      tuned default for the head dims and device.
     interpret: run the Pallas interpreter; None means exactly when the default backend is
       the CPU.
+    backend: "triton" (default): the Pallas Triton kernel, any NVIDIA GPU and interpret
+      mode. "mosaic_gpu": the Pallas Mosaic GPU kernel for Hopper (sm_90), bf16/f16,
+      depths that are multiples of 64, contiguous K/V; NotImplementedError says why a
+      call it cannot serve is refused. "auto": Mosaic GPU where the tuned table for the
+      device measured it faster and it can serve the call, Triton otherwise. Results
+      agree to rounding; so do validation and the handling of garbage offsets.
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
   zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output
@@ -59,6 +67,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     [total_q, num_heads] float32 when return_lse.
 
   Raises:
+    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
     TypeError, ValueError: static problems (ranks, dtypes, head counts or dims, offsets'
       length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape; a
       PagedKV page size that is not a power of two from 16 to 256, a bad block table,
@@ -70,7 +79,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   """
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-                 output_dtype=output_dtype, config=config, interpret=interpret)
+                 output_dtype=output_dtype, config=config, interpret=interpret,
+                 backend=backend)
   num_heads, head_dim = q.shape[1:]
   if k.shape[-1] != head_dim:
     raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
@@ -92,7 +102,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       **ragged.static_options(
           q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret))
+          interpret=interpret, backend=backend))
 
 
 @functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
@@ -106,7 +116,8 @@ def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
 
 
 def _mha_impl(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
-              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
+              backend):
   qk_depth = ragged.padded_depth(q.shape[-1])
   k, v, paged = ragged.unpage(k, v)
   return ragged.ragged_attention(
@@ -114,4 +125,4 @@ def _mha_impl(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
       input_row_offsets, kv_input_row_offsets, sink_weights, paged=paged,
       parts=[ragged.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
-      return_lse=return_lse, config=config, interpret=interpret)
+      return_lse=return_lse, config=config, interpret=interpret, backend=backend)

@@ -21,7 +21,8 @@ from pallas_prefill import validation as val
 
 def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                 kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
-                output_dtype=None, return_lse=False, config=None, interpret=None):
+                output_dtype=None, return_lse=False, config=None, interpret=None,
+                backend="triton"):
   """Multi-head latent attention prefill over a ragged (packed) batch.
 
   logits = (q_nope . k_nope + q_rope . k_rope) * scale, where q_nope and q_rope are the
@@ -48,9 +49,10 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       YaRN-corrected scale here.
     output_dtype: default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp [total_q, num_heads].
-    config: a ``MhaConfig``; None picks the tuned default (DeepSeek-V3's 128 heads,
+    config: a ``MhaConfig`` or ``MosaicConfig`` (as backend); None picks the tuned default (DeepSeek-V3's 128 heads,
       128 + 64, d_v 128 is the tuned case).
     interpret: None means interpret mode exactly when the default backend is the CPU.
+    backend: "triton", "mosaic_gpu" or "auto", as in ``mha_prefill``.
 
   Depths up to 256 each; powers of two (>= 16) run natively, others are zero-padded.
 
@@ -64,7 +66,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
-                 interpret=interpret)
+                 interpret=interpret, backend=backend)
   num_heads, depth = q.shape[1:]
   num_kv_heads, d_nope = k_nope.shape[-2:]
   d_rope = k_rope.shape[-1]
@@ -87,7 +89,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       **ragged.static_options(
           q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret))
+          interpret=interpret, backend=backend))
 
 
 @functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
@@ -101,7 +103,8 @@ def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, 
 
 
 def _mla_impl(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
-              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret):
+              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
+              backend):
   k_nope, k_rope, v, paged = ragged.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
   w_nope, w_rope = ragged.padded_depth(d_nope), ragged.padded_depth(d_rope)
@@ -118,4 +121,4 @@ def _mla_impl(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
       input_row_offsets, kv_input_row_offsets, None, paged=paged,
       parts=[ragged.QkPart(0, 0, 0, 0, w_nope), rope_part],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
-      return_lse=return_lse, config=config, interpret=interpret)
+      return_lse=return_lse, config=config, interpret=interpret, backend=backend)

@@ -27,7 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_prefill.config import MhaConfig, default_config
+from pallas_prefill import mosaic
+from pallas_prefill.config import (MhaConfig, MosaicConfig, default_config,
+                                   default_mosaic_config, prefers_mosaic)
 from pallas_prefill.paged import PagedKV
 
 # Finite stand-in for -inf: a row that sees no key must come out as zeros, never NaN.
@@ -230,7 +232,8 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
 
 def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
                      max_prompt_len, mask, scale, output_dtype, return_lse,
-                     config: MhaConfig | None, interpret: bool, paged=None):
+                     config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
+                     backend: str = "triton"):
   """Launches the ragged attention kernel on validated operands.
 
   Args:
@@ -246,6 +249,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
     sink_weights: [num_heads] or None.
     parts: the QkPart terms whose sum forms the logits; their widths are powers of two.
     config: None picks ``default_config`` for the summed part widths and v's depth.
+    backend: "triton", "mosaic_gpu" or "auto" (see ``select_backend``).
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
@@ -262,6 +266,15 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
+  mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
+                                 max_prompt_len, config, interpret)
+  if mosaic_config is not None:
+    out = mosaic.ragged_attention_mgpu(
+        q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts, mask=mask,
+        scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=mosaic_config)
+    if return_lse:
+      return out[0][..., :v_depth], out[1]
+    return out[..., :v_depth]
   if config is None:
     config = default_config(sum(p.width for p in parts), v.shape[-1], v.dtype, mask,
                             max_prompt_len, page_size=None if paged is None else v.shape[1])
@@ -308,6 +321,37 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   return (out, lse[0]) if return_lse else out
 
 
+def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
+                   config, interpret) -> MosaicConfig | None:
+  """The Mosaic GPU config to run with, or None for the Triton kernel.
+
+  "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
+  NotImplementedError when the Mosaic GPU kernel cannot serve the case (the reason says
+  why). "auto" is Mosaic GPU where the tuned table for the device says it is the faster
+  one and it can serve the case, on the GPU (never in interpret mode); Triton otherwise.
+  """
+  if backend == "triton":
+    return None
+  qk = sum(p.width for p in parts)
+  if isinstance(config, MosaicConfig):
+    mosaic_config = config
+  else:
+    mosaic_config = default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len)
+  reason = mosaic.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
+                                     paged is not None, mosaic_config)
+  if backend == "mosaic_gpu":
+    if reason is not None:
+      raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
+    return mosaic_config
+  # "auto"
+  if interpret or reason is not None or isinstance(config, MhaConfig):
+    return None
+  if isinstance(config, MosaicConfig) or prefers_mosaic(qk, v.shape[-1], v.dtype, mask,
+                                                         max_prompt_len):
+    return mosaic_config
+  return None
+
+
 def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype, return_lse):
   """The result when no row sees a key: zeros, and the LSE of the sink alone (the empty
   row value without one, and for rows past the last offset)."""
@@ -324,11 +368,11 @@ def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
 
 # The options an entry point's jitted implementation takes as static arguments.
 STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
-                  "interpret")
+                  "interpret", "backend")
 
 
 def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
-                   config, interpret) -> dict:
+                   config, interpret, backend="triton") -> dict:
   """Validated options in the hashable form the jitted implementations take, defaults
   resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
   return dict(
@@ -336,7 +380,8 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
       scale=float(depth ** -0.5 if scale is None else scale),
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
       return_lse=bool(return_lse), config=config,
-      interpret=jax.default_backend() == "cpu" if interpret is None else interpret)
+      interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+      backend=backend)
 
 
 def padded_depth(depth: int) -> int:

@@ -14,3 +14,9 @@ TUNED = {
         (192, 128, "bfloat16", "CausalMask", True): (128, 32, 4, 3),
     },
 }
+
+# backend="mosaic_gpu": device kind -> {key as above: (block_q, block_kv, num_stages,
+# faster than Triton)}; the last field is what backend="auto" follows.
+TUNED_MOSAIC = {
+    "NVIDIA H200": {},
+}

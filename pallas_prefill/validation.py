@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_prefill import masks as masks_lib
-from pallas_prefill.config import MhaConfig
+from pallas_prefill.config import MhaConfig, MosaicConfig
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
 MAX_HEAD_DIM = 256
@@ -52,7 +52,11 @@ def check_head_dim(name, depth):
     raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {depth}")
 
 
-def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret):
+BACKENDS = ("triton", "mosaic_gpu", "auto")
+
+
+def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret,
+                  backend="triton"):
   if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):
     raise TypeError(
         f"max_prompt_len must be a static Python int, got {type(max_prompt_len).__name__}")
@@ -74,14 +78,26 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
     if not ok:
       raise TypeError("output_dtype must be bfloat16, float16, float32 or None, got "
                       f"{getattr(output_dtype, '__name__', output_dtype)}")
-  if config is not None and not isinstance(config, MhaConfig):
-    raise TypeError(f"config must be a pallas_prefill.MhaConfig or None, got {config!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
+                     f"{backend!r}")
+  config_type = {"triton": MhaConfig, "mosaic_gpu": MosaicConfig}.get(backend)
+  if config is not None and not isinstance(config, config_type or (MhaConfig, MosaicConfig)):
+    want = {MhaConfig: "a pallas_prefill.MhaConfig", MosaicConfig:
+            "a pallas_prefill.MosaicConfig"}.get(config_type,
+                                                   "an MhaConfig or a MosaicConfig")
+    raise TypeError(f"config must be {want} or None for backend={backend!r}, got "
+                    f"{config!r}")
+  if backend == "mosaic_gpu" and interpret:
+    raise ValueError("backend='mosaic_gpu' has no interpret mode (Mosaic GPU's interpreter "
+                     "cannot run its register-operand matrix products); use "
+                     "backend='triton' or 'auto' for interpret mode")
   if interpret not in (None, True, False):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
 
 
 def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
-               mask, scale, output_dtype, config, interpret):
+               mask, scale, output_dtype, config, interpret, backend="triton"):
   """The static checks MHA and MLA share (each then checks its own depths and heads).
 
   q is [total_q, num_heads, depth]; kv_operands maps each K/V argument's name to its
@@ -121,7 +137,8 @@ def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_p
     else:
       check_offsets("kv_input_row_offsets", kv_input_row_offsets, batch)
   check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-                output_dtype=output_dtype, config=config, interpret=interpret)
+                output_dtype=output_dtype, config=config, interpret=interpret,
+                backend=backend)
 
 
 def validate_if_concrete(input_row_offsets, kv_input_row_offsets, *, max_prompt_len,

@@ -215,7 +215,7 @@ ENTRY_POINTS = {
 }
 
 
-def check_case(case: Case, *, interpret: bool, poison=None):
+def check_case(case: Case, *, interpret: bool, poison=None, backend="triton"):
   """Runs `case` on fresh random inputs and compares it with the float32 reference.
 
   `poison`, if given, is called before the kernel runs (on the GPU it fills the memory
@@ -227,6 +227,31 @@ def check_case(case: Case, *, interpret: bool, poison=None):
   expected = reference(*args, **kwargs)
   if poison is not None:
     poison()
-  result = kernel(*args, config=case.config, interpret=interpret, **kwargs)
+  result = kernel(*args, config=case.config, interpret=interpret, backend=backend,
+                  **kwargs)
   jax.block_until_ready(result)
   return check_outputs(case, result, expected, last_row, seed)
+
+
+def mosaic_variant(case: Case) -> Case:
+  """The case as the Mosaic GPU backend's tests run it: its default tiles, and MLA's rope
+  depth raised to 64 (the narrowest that kernel takes) so that MLA cases run there too."""
+  case = dataclasses.replace(case, config=None)
+  if case.kind == "mla" and case.rope_dim < 64:
+    case = dataclasses.replace(case, rope_dim=64)
+  return case
+
+
+def mosaic_serves(case: Case) -> bool:
+  """Whether backend="mosaic_gpu" takes the case (else it must refuse it with
+  NotImplementedError): bf16/f16, contiguous K/V, every depth padding to a multiple of 64,
+  and tiles that fit shared memory (not MHA at depth 256)."""
+  pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731
+  dv = case.head_dim_v or case.head_dim
+  depths = [case.head_dim, dv] + ([case.rope_dim] if case.kind == "mla" else [])
+  if case.kind == "mla" and pad(case.head_dim) + pad(case.rope_dim) != (
+      case.head_dim + case.rope_dim):
+    depths = [pad(case.head_dim), pad(case.rope_dim), dv]
+  return (case.dtype in ("bfloat16", "float16") and case.page_size is None
+          and all(pad(d) % 64 == 0 for d in depths)
+          and not (case.kind == "mha" and max(case.head_dim, dv) > 128))

@@ -64,3 +64,44 @@ def test_compiled_garbage_offsets_stay_finite():
     poison_device_memory()
     out, lse = fn(jnp.asarray(off, jnp.int32))
     assert jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all()
+
+
+MOSAIC_CASES = list({c.name: c for c in map(cases.mosaic_variant, GPU_CASES)}.values())
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: c.name)
+def test_mosaic_matches_reference(case):
+  """backend="mosaic_gpu" on the shared case matrix: the result where it serves the case,
+  a NotImplementedError saying why where it does not."""
+  if cases.mosaic_serves(case):
+    cases.check_case(case, interpret=False, poison=poison_device_memory,
+                     backend="mosaic_gpu")
+  else:
+    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+      cases.check_case(case, interpret=False, backend="mosaic_gpu")
+
+
+def test_mosaic_garbage_offsets_stay_finite():
+  case = cases.Case(lse=True, head_dim=128)
+  (q, k, v, _), _, _ = cases.make_inputs(case, cases.fresh_seed())
+  total = q.shape[0]
+  fn = jax.jit(lambda off: pp.mha_prefill(q, k, v, off, max_prompt_len=64, return_lse=True,
+                                          interpret=False, backend="mosaic_gpu"))
+  for off in ([7, 300, 2, 100, total + 50, -3, 40], [0, total, 0, total, 5, 5, total * 4]):
+    poison_device_memory()
+    out, lse = fn(jnp.asarray(off, jnp.int32))
+    assert jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all()
+
+
+def test_mosaic_ignores_nan_past_the_last_key():
+  """K/V rows past kv_offsets[-1] may hold anything: NaN there must not reach the output
+  (the kernel never multiplies a V row it cannot see)."""
+  case = cases.Case(lens=(100, 37, 61), kv_lens=(120, 5, 59), head_dim=128, lse=True,
+                    config=None)
+  args, kwargs, last_row = cases.make_inputs(case, cases.fresh_seed())
+  q, k, v, q_off = args
+  kv_end = int(kwargs["kv_input_row_offsets"][-1])
+  expected = pp.reference.mha_prefill_reference(*args, **kwargs)
+  k, v = (x.at[kv_end:].set(jnp.nan) for x in (k, v))
+  result = pp.mha_prefill(q, k, v, q_off, interpret=False, backend="mosaic_gpu", **kwargs)
+  cases.check_outputs(case, result, expected, last_row, 0)

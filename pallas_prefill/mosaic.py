@@ -1,0 +1,466 @@
+"""The ragged attention kernel in Pallas Mosaic GPU (Hopper, sm_90): ``backend="mosaic_gpu"``.
+
+The structure is FlashAttention-3's, as in JAX's dense ``ops/gpu/attention_mgpu.py``: per
+program two compute warpgroups, each with ``block_q`` query rows, and one producer
+warpgroup that streams K/V tiles through ``num_stages`` shared-memory slots with TMA; the
+two compute warpgroups take turns on the tensor cores (a schedule barrier), so that one's
+softmax overlaps the other's matrix products.
+
+The ragged parts, which the dense kernel has none of:
+
+- A work list, computed in XLA before the call: one item per pair of query tiles of one
+  sequence (``2 * block_q`` rows), heaviest first, plus one pseudo-sequence for the rows
+  past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for
+  the whole item, and per warpgroup: first, first unmasked, end of unmasked, end) are
+  read by the kernel from a small int32 table, so the three warpgroups agree on every
+  trip count, zero included. The grid is ``(num_heads, work items)``.
+- TMA loads start at any row. Query rows past the sequence belong to its neighbour (or
+  lie past the array, which TMA fills with zeros): they are computed and never stored.
+- A sequence's last KV tile is shifted back so that it ends at the sequence's last key:
+  no tile ever reads a K/V row past the sequence (rows past ``kv_offsets[-1]`` may hold
+  anything, NaN included, and 0 * NaN would poison P.V). The columns the shifted tile
+  repeats are masked. Before the first key, a shifted tile reads the previous sequence's
+  rows or, at row < 0, TMA's zeros.
+- Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
+  rows), as JAX's ragged_dot does, so no store touches a neighbour's rows. The LSE goes
+  to a per-item buffer that XLA gathers back into rows.
+
+Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts and V of
+depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V
+(packed or with K/V offsets), every mask, sinks, LSE, GQA/MQA, MLA's two-part logits.
+``unsupported_reason`` says why anything else is not; ``backend="auto"`` then runs Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_prefill.config import MosaicConfig
+
+_LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+EMPTY_ROW_LSE = -1e30
+MAX_GRID_DIM = 65535
+SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
+COMPUTE_WGS = 2
+# Columns of the per-item table the kernel reads. Row numbers the kernel passes to TMA are
+# stored divided by 8: multiplying them back proves to Mosaic GPU that they are multiples
+# of 8, which TMA into 8-row-tiled shared memory requires.
+(_Q_START, _Q_LEN, _KV_START, _KV_LEN, _ROW8, _KV_ROW8, _KV_LAST8, _TAIL8, _T_LO,
+ _T_HI) = range(10)
+_WG_COLS = 10  # then, per warpgroup g: 10 + 4g + (first, first unmasked, unmasked end, end)
+_META_COLS = _WG_COLS + 4 * COMPUTE_WGS
+
+
+def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
+  """Shared memory the kernel allocates for these operands and tiles."""
+  item = jnp.dtype(dtype).itemsize
+  qk = sum(p.width for p in parts)
+  q = COMPUTE_WGS * config.block_q * qk * item
+  o = COMPUTE_WGS * config.block_q * v_depth * jnp.dtype(output_dtype).itemsize
+  kv = config.num_stages * config.block_kv * (qk + v_depth) * item
+  lse = COMPUTE_WGS * config.block_q * 4 if return_lse else 0
+  return q + o + kv + lse + 1024  # barriers and alignment
+
+
+def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, paged,
+                       config: MosaicConfig) -> str | None:
+  """Why the Mosaic GPU kernel cannot run this case, or None when it can."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
+  if paged:
+    return "paged K/V caches are not implemented in the mosaic_gpu backend yet"
+  for w in [p.width for p in parts] + [v_depth]:
+    if w % 64 or w > 256:
+      return f"depth {w}: the mosaic_gpu backend needs depths that are multiples of 64 <= 256"
+  need = smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config)
+  if need > SMEM_BYTES:
+    return (f"{need} bytes of shared memory for {config} exceed {SMEM_BYTES}; "
+            "use fewer stages or smaller tiles")
+  return None
+
+
+def _floor8(x):
+  return lax.div(x, 8) * 8  # x >= 0
+
+
+def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv):
+  """The per-item table [num_items, _META_COLS] int32, heaviest items first, and each
+  output row's column in the per-item LSE buffer.
+
+  Offsets are clamped and chained (sequence b's queries start where b-1's end), so any
+  offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
+  Items start at multiples of 8 rows: a sequence's first item starts at its first row
+  rounded down, and the rows before it (its neighbour's) are computed and not stored.
+  KV tile i of a sequence starts at its first key rounded down to 8 plus i * block_kv,
+  except that no tile starts after ``ceil8(kv_end) - block_kv``: the last tile ends in the
+  8-row group of the last key.
+  """
+  rows = COMPUTE_WGS * block_q
+  batch = q_offsets.shape[0] - 1
+  q_off = jnp.clip(q_offsets.astype(jnp.int32), 0, total_q)
+  q_end = lax.cummax(q_off[1:])
+  q_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), q_end[:-1]])
+  if kv_offsets is None:
+    kv_start, kv_end = q_start, q_end
+  else:
+    kv_off = jnp.clip(kv_offsets.astype(jnp.int32), 0, total_kv)
+    kv_start = kv_off[:-1]
+    kv_end = jnp.maximum(kv_off[1:], kv_start)
+  kv_tail = kv_end[-1]
+  # The rows past offsets[-1]: a pseudo-sequence with no keys, stored as zeros.
+  q_start = jnp.concatenate([q_start, q_end[-1:]])
+  q_end = jnp.concatenate([q_end, jnp.full((1,), total_q, jnp.int32)])
+  kv_start = jnp.concatenate([kv_start, jnp.zeros((1,), jnp.int32)])
+  kv_end = jnp.concatenate([kv_end, jnp.zeros((1,), jnp.int32)])
+  q_len, kv_len = q_end - q_start, kv_end - kv_start
+  q_first = _floor8(q_start)
+
+  num_items = num_work_items(total_q, batch, block_q)
+  tiles = jnp.where(q_len > 0, (q_end - q_first + rows - 1) // rows, 0)
+  first = jnp.cumsum(tiles) - tiles
+  item = jnp.arange(num_items, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(first + tiles, item, side="right"), 0, batch).astype(
+      jnp.int32)
+  live = item < (first + tiles)[-1]
+  take = lambda x: jnp.where(live, x[seq], 0)  # noqa: E731
+  i_q_start, i_q_len, i_kv_start, i_kv_len = map(take, (q_start, q_len, kv_start, kv_len))
+  row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
+  kv_first = _floor8(i_kv_start)
+  kv_last = _floor8(i_kv_start + i_kv_len + 7) - block_kv
+  skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
+  start_pos = i_kv_len - i_q_len
+
+  per_wg = []
+  for g in range(COMPUTE_WGS):
+    r0 = jnp.maximum(row + g * block_q - i_q_start, 0)  # within the sequence
+    r1 = jnp.minimum(row + (g + 1) * block_q - i_q_start, i_q_len)
+    q_lo, q_hi = start_pos + r0, start_pos + r1 - 1
+    lo, hi = mask.kv_range(q_lo, q_hi, i_kv_len)
+    f_lo, f_hi = mask.full_range(q_lo, q_hi, i_kv_len)
+    t_lo = (lo + skew) // block_kv
+    t_hi = jnp.maximum((hi + skew + block_kv - 1) // block_kv, t_lo)
+    t_hi = jnp.where((r1 > r0) & (hi > lo), t_hi, t_lo)
+    u_lo = jnp.clip((f_lo + skew + block_kv - 1) // block_kv, t_lo, t_hi)
+    u_hi = jnp.clip((f_hi + skew) // block_kv, u_lo, t_hi)
+    per_wg.append((t_lo, u_lo, u_hi, t_hi))
+  (a0, _, _, b0), (a1, _, _, b1) = per_wg
+  empty0, empty1 = a0 == b0, a1 == b1
+  lo = jnp.where(empty0, a1, jnp.where(empty1, a0, jnp.minimum(a0, a1)))
+  hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
+  lo = jnp.where(empty0 & empty1, 0, lo)
+  hi = jnp.maximum(hi, lo)
+  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
+          jnp.broadcast_to(_floor8(kv_tail) // 8, lo.shape), lo, hi]
+  for t_lo, u_lo, u_hi, t_hi in per_wg:
+    # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
+    # it the empty range at the item's start so that its loops stay in order.
+    empty = t_lo == t_hi
+    cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
+  table = jnp.stack(cols, axis=1).astype(jnp.int32)
+  order = jnp.argsort(-(hi - lo), stable=True)
+  table = table[order]
+  # Each output row's LSE slot: launched item k stores its rows [max(row, q_start),
+  # min(row + rows, q_end)) from column k * rows + (row of the item - its first row).
+  t_row, t_start = table[:, _ROW8] * 8, table[:, _Q_START]
+  t_end = t_start + table[:, _Q_LEN]
+  first_stored = jnp.maximum(t_row, t_start)
+  stores = jnp.minimum(t_row + rows, t_end) > first_stored
+  key = jnp.where(stores, first_stored, total_q)
+  by_row = jnp.argsort(key, stable=True)
+  r = jnp.arange(total_q, dtype=jnp.int32)
+  k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right") - 1, 0, num_items - 1)]
+  return table, k * rows + (r - t_row[k])
+
+
+def num_work_items(total_q, batch, block_q):
+  """A static bound on the work items: every sequence (and the tail) adds at most one
+  item beyond its share of total_q, plus one for the rows its 8-aligned start adds."""
+  return pl.cdiv(total_q + 8 * (batch + 1), COMPUTE_WGS * block_q) + batch + 1
+
+
+def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, block_q,
+            block_kv, num_stages, group, out_dtype):
+  refs = list(refs)
+  sink_ref = refs.pop(0) if has_sink else None
+  q_refs, refs = refs[:n_q], refs[n_q:]
+  k_refs, refs = refs[:n_k], refs[n_k:]
+  v_ref, v_tail_ref, o_ref = refs[:3]
+  lse_ref = refs[3] if has_lse else None
+  v_depth = v_ref.shape[-1]
+  dtype = v_ref.dtype
+  n_parts = len(parts)
+
+  tiling = plgpu.TilingTransform((8, 64))
+  swizzle = plgpu.SwizzleTransform(128)
+  smem = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(tiling, swizzle))  # noqa: E731
+  scratch = [
+      [smem((COMPUTE_WGS, block_q, p.width), dtype) for p in parts],
+      [smem((num_stages, block_kv, p.width), dtype) for p in parts],
+      smem((num_stages, block_kv, v_depth), dtype),
+      plgpu.SMEM((COMPUTE_WGS, block_q, v_depth), out_dtype),
+      plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
+  ]
+  barriers = [
+      plgpu.Barrier(num_arrivals=n_parts, num_barriers=COMPUTE_WGS),  # Q loaded
+      plgpu.Barrier(num_arrivals=n_parts, num_barriers=num_stages),  # K loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # V loaded (two copies)
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
+  ]
+
+  def body(q_smems, k_smems, v_smem, o_smem2, lse_smem2, q_bars, k_bars, v_bars, k_used,
+           v_used, schedule):
+    h = lax.axis_index("heads")
+    w = lax.axis_index("work")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+    meta = lambda col: meta_ref[w, col]  # noqa: E731
+    kv_start, kv_len = meta(_KV_START), meta(_KV_LEN)
+    kv_row8, kv_last8 = meta(_KV_ROW8), meta(_KV_LAST8)
+    item_lo, item_hi = meta(_T_LO), meta(_T_HI)
+
+    def slot_of(i):
+      return lax.rem(i - item_lo, jnp.int32(num_stages))
+
+    def tile_row(i):
+      """Tile i's first K/V row, a multiple of 8 (see work_list)."""
+      return jnp.minimum(kv_row8 + i * (block_kv // 8), kv_last8) * 8
+
+    def sync():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_start, q_len = meta(_Q_START), meta(_Q_LEN)
+      col = lambda j: meta(_WG_COLS + 4 * wg + j)  # noqa: E731
+      t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
+      row = (meta(_ROW8) + wg * (block_q // 8)) * 8  # this warpgroup's first row
+      first = jnp.clip(q_start - row, 0, block_q)  # rows before it: a neighbour's
+      n_rows = jnp.clip(q_start + q_len - row, 0, block_q) - first
+      row_pos = kv_len - q_len + row - q_start  # position of the row `row`
+      q_smem = [s.at[wg] for s in q_smems]
+      for part, s in zip(parts, q_smem):
+        plgpu.copy_gmem_to_smem(
+            q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col, part.width)],
+            s, q_bars.at[wg])
+      plgpu.barrier_wait(q_bars.at[wg])
+
+      layout = plgpu.Layout.WGMMA
+      if has_sink:
+        m0, l0 = sink_ref[h] * _LOG2_E, 1.0
+      else:
+        m0, l0 = _MASK_VALUE, 0.0
+      m_i = plgpu.layout_cast(jnp.full((block_q,), m0, jnp.float32), layout.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((block_q,), l0, jnp.float32), layout.reduce(1))
+      acc = plgpu.layout_cast(jnp.zeros((block_q, v_depth), jnp.float32), layout)
+
+      pl.when(wg == 1)(sync)
+
+      def skip(i, carry):
+        slot = slot_of(i)
+        plgpu.barrier_wait(k_bars.at[slot])
+        plgpu.barrier_arrive(k_used.at[slot])
+        sync()
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_arrive(v_used.at[slot])
+        sync()
+        return carry
+
+      def step(i, carry, *, masked):
+        acc, m_i, l_i = carry
+        slot = slot_of(i)
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def qk(acc_ref):
+          for qs, ks in zip(q_smem, k_smems):
+            plgpu.wgmma(acc_ref, qs, ks.at[slot].transpose((1, 0)))
+          sync()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_used.at[slot])
+        s = s * scale
+        if masked:
+          iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv),
+                                   layout=layout)
+          q_pos = row_pos + iota(0)
+          k_pos = tile_row(i) - kv_start + iota(1)
+          fresh = kv_row8 * 8 + i * block_kv - kv_start  # keys below: an earlier tile's
+          visible = mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
+          s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha
+        p16 = p.astype(dtype)
+        if v_depth <= 128:
+          l_i = l_i + p.sum(axis=1)
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+          plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_bars.at[slot])
+          plgpu.barrier_wait(schedule)
+        else:
+          plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_bars.at[slot])
+          plgpu.barrier_wait(schedule)
+          l_i = l_i + p.sum(axis=1)
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_used.at[slot])
+        return acc, m_new, l_i
+
+      masked_step = functools.partial(step, masked=True)
+      lax.fori_loop(item_lo, t_lo, skip, None)
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(t_lo, u_lo, masked_step, carry)
+      carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(u_hi, t_hi, masked_step, carry)
+      lax.fori_loop(t_hi, item_hi, skip, None)
+      pl.when(wg == 0)(sync)
+
+      seen = l_i > 0
+      l_safe = jnp.where(seen, l_i, 1.0)
+      o_smem = o_smem2.at[wg]
+      o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
+      if has_lse:
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN_2, EMPTY_ROW_LSE)
+      plgpu.commit_smem()
+      # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
+      size = block_q
+      while size >= 1:
+        take = (n_rows & size) != 0
+
+        @pl.when(take)
+        def _store(first=first, size=size):
+          plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, size)],
+                                  o_ref.at[pl.ds(row + first, size), h])
+
+        first = first + jnp.where(take, size, 0)
+        size //= 2
+      if has_lse:
+        plgpu.copy_smem_to_gmem(
+            lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _produce():
+      plgpu.set_max_registers(40, action="decrease")
+      tail8 = meta(_TAIL8)
+
+      @pl.loop(item_lo, item_hi)
+      def _load(i):
+        slot = slot_of(i)
+        start = tile_row(i)
+        reuse = i - item_lo >= num_stages
+
+        @pl.when(reuse)
+        def _():
+          plgpu.barrier_wait(k_used.at[slot])
+
+        for part, ks in zip(parts, k_smems):
+          k_head = 0 if part.shared_k else kv_head
+          plgpu.copy_gmem_to_smem(
+              k_refs[part.k_index].at[pl.ds(start, block_kv), k_head,
+                                      pl.ds(part.k_col, part.width)],
+              ks.at[slot], k_bars.at[slot])
+
+        @pl.when(reuse)
+        def _():
+          plgpu.barrier_wait(v_used.at[slot])
+
+        # V in two copies: the tile's last 8 rows come from v_tail, the last key's group
+        # with the rows past it zeroed, when they are that group (0 * NaN is NaN).
+        head = block_kv - 8
+        last8 = start // 8 + head // 8
+        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(start, head), kv_head],
+                                v_smem.at[slot, pl.ds(0, head)], v_bars.at[slot])
+
+        @pl.when(last8 == tail8)
+        def _():
+          plgpu.copy_gmem_to_smem(v_tail_ref.at[:, kv_head],
+                                  v_smem.at[slot, pl.ds(head, 8)], v_bars.at[slot])
+
+        @pl.when(last8 != tail8)
+        def _():
+          plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(last8 * 8, 8), kv_head],
+                                  v_smem.at[slot, pl.ds(head, 8)], v_bars.at[slot])
+
+  pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
+
+
+def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
+  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
+  None); arguments and results as ``ragged.ragged_attention``'s."""
+  total_q = q_ops[0].shape[0]
+  # A TMA box is one tile: arrays shorter than a tile get zero rows up to one (tiny
+  # arrays, a cheap copy); the offsets never reach them with valid input.
+  grow = lambda x, n: x if x.shape[0] >= n else jnp.pad(  # noqa: E731
+      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  q_ops = [grow(x, config.block_q) for x in q_ops]
+  k_ops = [grow(x, config.block_kv) for x in k_ops]
+  v = grow(v, config.block_kv)
+  out = _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts, mask=mask,
+                scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=config)
+  if q_ops[0].shape[0] == total_q:
+    return out
+  return tuple(x[:total_q] for x in out) if return_lse else out[:total_q]
+
+
+def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask, scale,
+            output_dtype, return_lse, config):
+  total_q, num_heads, _ = q_ops[0].shape
+  total_kv, num_kv_heads, v_depth = v.shape
+  batch = q_offsets.shape[0] - 1
+  rows = COMPUTE_WGS * config.block_q
+  num_items = num_work_items(total_q, batch, config.block_q)
+  if num_items > MAX_GRID_DIM or num_heads > MAX_GRID_DIM:
+    raise ValueError(f"{num_items} work items of {rows} rows (or {num_heads} heads) exceed "
+                     f"the launch grid's limit of {MAX_GRID_DIM}")
+  table, lse_slot = work_list(q_offsets, kv_offsets, total_q, total_kv, mask=mask,
+                              block_q=config.block_q, block_kv=config.block_kv)
+  # The 8-row group holding the last key, rows past it zeroed.
+  kv_end = (q_offsets if kv_offsets is None else kv_offsets)[-1].astype(jnp.int32)
+  kv_end = jnp.clip(kv_end, 0, total_kv)
+  tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
+  v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
+                     v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
+  kernel = functools.partial(
+      _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
+      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
+      scale=scale * _LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      num_stages=config.num_stages, group=num_heads // num_kv_heads,
+      out_dtype=jnp.dtype(output_dtype))
+  inputs = [table]
+  inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
+  inputs += [*q_ops, *k_ops, v, v_tail]
+  out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
+  if return_lse:
+    out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))
+  results = plgpu.kernel(
+      kernel, out_type=out_type, grid=(num_heads, num_items), grid_names=("heads", "work"),
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*inputs)
+  if not return_lse:
+    return results[0]
+  return results[0], jnp.take(results[1], lse_slot, axis=1).T
