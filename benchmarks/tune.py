@@ -2,7 +2,11 @@
 class) on the GPU and writes the winners into pallas_prefill/tuned.py, which config=None
 reads (keyed by the device kind).
 
-    python -m benchmarks.tune [--kernels mha mla] [--write]
+    python -m benchmarks.tune [--kernels mha mla] [--backend triton|mosaic_gpu] [--write]
+
+With --backend mosaic_gpu it sweeps MosaicConfig instead and records, per entry, whether
+the winner beat the Triton kernel's tuned default on the same workloads (what
+backend="auto" follows).
 
 Each candidate is timed like the harness (benchmarks/run.py) on the workloads of its
 length class (short: short64; long: equal4x4096 and skew16_16k) and must pass the
@@ -30,12 +34,13 @@ SWEEP = [pp.MhaConfig(bq, bk, w, s) for bq, bk, w, s in itertools.product(
 # 32-row query tiles waste fewer rows at the end of short prompts (short64 wastes about
 # 12 % of its rows in 64-row tiles); not measured yet.
 SWEEP += [pp.MhaConfig(32, bk, 4, s) for bk, s in itertools.product((32, 64), (2, 3))]
+MOSAIC_SWEEP = [pp.MosaicConfig(64, bk, s) for bk, s in ((128, 2), (64, 2), (64, 3), (64, 4))]
 CLASSES = {False: ("short64",), True: ("equal4x4096", "skew16_16k")}  # long prompts?
 DEPTHS = {"mha": (sy.MHA_SHAPE["qk"], sy.MHA_SHAPE["v"]),
           "mla": (sy.MLA_SHAPE["nope"] + sy.MLA_SHAPE["rope"], sy.MLA_SHAPE["v"])}
 
 
-def candidate_tflops(kind, workload_names, cfg) -> float | None:
+def candidate_tflops(kind, workload_names, cfg, backend="triton") -> float | None:
   """Geometric mean of useful TFLOP/s over the workloads, None if any run fails or errs."""
   scores = []
   for name in workload_names:
@@ -44,7 +49,7 @@ def candidate_tflops(kind, workload_names, cfg) -> float | None:
     fn = jax.jit(lambda q, kv, off, kv_off, cfg=cfg, w=problems[0].workload: (
         pp.mha_prefill if kind == "mha" else pp.mla_prefill)(
             q, *kv, off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len, mask=w.mask,
-            config=cfg))
+            config=cfg, backend=backend))
     try:
       out = fn(*prepared.arg_sets[0])
     except Exception as e:  # pylint: disable=broad-except  (e.g. shared memory exceeded)
@@ -96,8 +101,11 @@ def write_table(path, table, mosaic_table=None) -> None:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
+  parser.add_argument("--backend", default="triton", choices=["triton", "mosaic_gpu"])
   parser.add_argument("--write", action="store_true", help="update pallas_prefill/tuned.py")
   args = parser.parse_args(argv)
+  if args.backend == "mosaic_gpu":
+    return tune_mosaic(args)
   device = jax.devices()[0].device_kind
   table = {k: dict(v) for k, v in tuned.TUNED.items()}
   for kind in args.kernels:
@@ -116,6 +124,32 @@ def main(argv=None):
       print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean)", flush=True)
   if args.write:
     write_table(tuned.__file__, table)
+  pprint.pprint(table)
+  return 0
+
+
+def tune_mosaic(args) -> int:
+  device = jax.devices()[0].device_kind
+  table = {k: dict(v) for k, v in tuned.TUNED_MOSAIC.items()}
+  for kind in args.kernels:
+    qk, v = DEPTHS[kind]
+    for long, names in CLASSES.items():
+      scored = [(candidate_tflops(kind, names, cfg, "mosaic_gpu"), cfg)
+                for cfg in MOSAIC_SWEEP]
+      scored = [(s, cfg) for s, cfg in scored if s is not None]
+      if not scored:
+        print(f"{kind} long={long}: no candidate passed", flush=True)
+        continue
+      best, cfg = max(scored, key=lambda x: x[0])
+      triton = candidate_tflops(kind, names, None, "triton") or 0.0
+      key = config_lib.tuned_key(qk, v, jnp.bfloat16, pp.masks.CausalMask(),
+                                 config_lib.LONG_PROMPT + 1 if long else 1)
+      table.setdefault(device, {})[key] = (cfg.block_q, cfg.block_kv, cfg.num_stages,
+                                           best > triton)
+      print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean), Triton "
+            f"default {triton:.1f}", flush=True)
+  if args.write:
+    write_table(tuned.__file__, tuned.TUNED, table)
   pprint.pprint(table)
   return 0
 

@@ -189,6 +189,24 @@ def num_work_items(total_q, batch, block_q):
   return pl.cdiv(total_q + 8 * (batch + 1), COMPUTE_WGS * block_q) + batch + 1
 
 
+def _load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
+  """TMA of rows [start, start + rows) of `src` (a function of a row slice giving a GMEM
+  ref view) into `dst`, signalling `barrier` twice: rows - 8 rows, then the last 8, which
+  come from `tail` (a view of an 8-row array) when they are the group `tail_group` (in
+  units of 8 rows)."""
+  head = rows - 8
+  plgpu.copy_gmem_to_smem(src(pl.ds(start, head)), dst.at[pl.ds(0, head)], barrier)
+  last8 = start // 8 + head // 8
+
+  @pl.when(last8 == tail_group)
+  def _():
+    plgpu.copy_gmem_to_smem(tail, dst.at[pl.ds(head, 8)], barrier)
+
+  @pl.when(last8 != tail_group)
+  def _():
+    plgpu.copy_gmem_to_smem(src(pl.ds(last8 * 8, 8)), dst.at[pl.ds(head, 8)], barrier)
+
+
 def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, block_q,
             block_kv, num_stages, group, out_dtype):
   refs = list(refs)
@@ -387,22 +405,10 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
         def _():
           plgpu.barrier_wait(v_used.at[slot])
 
-        # V in two copies: the tile's last 8 rows come from v_tail, the last key's group
-        # with the rows past it zeroed, when they are that group (0 * NaN is NaN).
-        head = block_kv - 8
-        last8 = start // 8 + head // 8
-        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(start, head), kv_head],
-                                v_smem.at[slot, pl.ds(0, head)], v_bars.at[slot])
-
-        @pl.when(last8 == tail8)
-        def _():
-          plgpu.copy_gmem_to_smem(v_tail_ref.at[:, kv_head],
-                                  v_smem.at[slot, pl.ds(head, 8)], v_bars.at[slot])
-
-        @pl.when(last8 != tail8)
-        def _():
-          plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(last8 * 8, 8), kv_head],
-                                  v_smem.at[slot, pl.ds(head, 8)], v_bars.at[slot])
+        # V in two copies: when a tile's last 8 rows are the last key's group, they come
+        # from v_tail, whose rows past that key are zeros (0 * NaN is NaN).
+        _load_rows(lambda rows: v_ref.at[rows, kv_head], v_tail_ref.at[:, kv_head],
+                   block_kv, start, v_smem.at[slot], v_bars.at[slot], tail_group=tail8)
 
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
@@ -411,19 +417,15 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
                           mask, scale, output_dtype, return_lse, config: MosaicConfig):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
   None); arguments and results as ``ragged.ragged_attention``'s."""
-  total_q = q_ops[0].shape[0]
-  # A TMA box is one tile: arrays shorter than a tile get zero rows up to one (tiny
-  # arrays, a cheap copy); the offsets never reach them with valid input.
-  grow = lambda x, n: x if x.shape[0] >= n else jnp.pad(  # noqa: E731
-      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  q_ops = [grow(x, config.block_q) for x in q_ops]
-  k_ops = [grow(x, config.block_kv) for x in k_ops]
-  v = grow(v, config.block_kv)
-  out = _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts, mask=mask,
-                scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=config)
-  if q_ops[0].shape[0] == total_q:
-    return out
-  return tuple(x[:total_q] for x in out) if return_lse else out[:total_q]
+  return _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts,
+                 mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
+                 config=config)
+
+
+def padded_rows(rows: int, tile: int) -> int:
+  """The rows an operand of `rows` rows is given to the kernel with: a multiple of 8, at
+  least one tile. Operands that already have them are passed without a copy."""
+  return max(-(-rows // 8) * 8, tile)
 
 
 def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask, scale,
@@ -444,6 +446,16 @@ def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
+  # TMA into 8-row-tiled shared memory takes GMEM arrays whose rows are a multiple of 8
+  # (and at least a tile): others are copied with zero rows added. The output is stored
+  # row-exact from untiled shared memory and needs no padding.
+  grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
+      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  q_rows = padded_rows(total_q, config.block_q)
+  kv_rows = padded_rows(total_kv, config.block_kv)
+  q_ops = [grow(x, q_rows) for x in q_ops]
+  k_ops = [grow(x, kv_rows) for x in k_ops]
+  v = grow(v, kv_rows)
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
