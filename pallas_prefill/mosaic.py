@@ -103,8 +103,9 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   Items start at multiples of 8 rows: a sequence's first item starts at its first row
   rounded down, and the rows before it (its neighbour's) are computed and not stored.
   KV tile i of a sequence starts at its first key rounded down to 8 plus i * block_kv,
-  except that no tile starts after ``ceil8(kv_end) - block_kv``: the last tile ends in the
-  8-row group of the last key.
+  except that no tile starts after ``max(ceil8(kv_end) - block_kv, 0)``: the last tile
+  ends in the 8-row group of the last key (or, when all keys lie in the first block_kv
+  rows, at row block_kv).
   """
   rows = COMPUTE_WGS * block_q
   batch = q_offsets.shape[0] - 1
@@ -137,7 +138,9 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   i_q_start, i_q_len, i_kv_start, i_kv_len = map(take, (q_start, q_len, kv_start, kv_len))
   row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
   kv_first = _floor8(i_kv_start)
-  kv_last = _floor8(i_kv_start + i_kv_len + 7) - block_kv
+  # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
+  # negative start is no out-of-bounds zero fill but a wild row.
+  kv_last = jnp.maximum(_floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
   start_pos = i_kv_len - i_q_len
 
