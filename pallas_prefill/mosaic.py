@@ -19,8 +19,8 @@ The ragged parts, which the dense kernel has none of:
 - A sequence's last KV tile is shifted back so that it ends at the sequence's last key:
   no tile ever reads a K/V row past the sequence (rows past ``kv_offsets[-1]`` may hold
   anything, NaN included, and 0 * NaN would poison P.V). The columns the shifted tile
-  repeats are masked. Before the first key, a shifted tile reads the previous sequence's
-  rows or, at row < 0, TMA's zeros.
+  repeats are masked, as are the rows before the first key (a tile starts at a multiple
+  of 8 rows, and never before row 0: tiled TMA coordinates are unsigned).
 - Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
   rows), as JAX's ragged_dot does, so no store touches a neighbour's rows. The LSE goes
   to a per-item buffer that XLA gathers back into rows.
@@ -95,8 +95,8 @@ def _floor8(x):
 
 
 def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv):
-  """The per-item table [num_items, _META_COLS] int32, heaviest items first, and each
-  output row's column in the per-item LSE buffer.
+  """The per-item table [num_items, _META_COLS] int32, heaviest items first; each output
+  row's column in the per-item LSE buffer; and the end of the last sequence's keys.
 
   Offsets are clamped and chained (sequence b's queries start where b-1's end), so any
   offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
@@ -183,7 +183,7 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   by_row = jnp.argsort(key, stable=True)
   r = jnp.arange(total_q, dtype=jnp.int32)
   k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right") - 1, 0, num_items - 1)]
-  return table, k * rows + (r - t_row[k])
+  return table, k * rows + (r - t_row[k]), kv_tail
 
 
 def num_work_items(total_q, batch, block_q):
@@ -208,6 +208,19 @@ def _load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
   @pl.when(last8 != tail_group)
   def _():
     plgpu.copy_gmem_to_smem(src(pl.ds(last8 * 8, 8)), dst.at[pl.ds(head, 8)], barrier)
+
+
+def tile_first_row(kv_row8, kv_last8, i, *, block_kv):
+  """KV tile i's first row in the K/V arrays, a multiple of 8 (see ``work_list``)."""
+  return jnp.minimum(kv_row8 + i * (block_kv // 8), kv_last8) * 8
+
+
+def visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len, *, block_kv):
+  """Which (query, key) pairs of KV tile i a masked step keeps: keys of the sequence
+  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had (a shifted last
+  tile repeats some; the first tile starts up to 7 rows before the sequence)."""
+  fresh = jnp.maximum(kv_row8 * 8 + i * block_kv - kv_start, 0)
+  return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
 def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, block_q,
@@ -255,9 +268,7 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
     def slot_of(i):
       return lax.rem(i - item_lo, jnp.int32(num_stages))
 
-    def tile_row(i):
-      """Tile i's first K/V row, a multiple of 8 (see work_list)."""
-      return jnp.minimum(kv_row8 + i * (block_kv // 8), kv_last8) * 8
+    tile_row = functools.partial(tile_first_row, kv_row8, kv_last8, block_kv=block_kv)
 
     def sync():
       plgpu.barrier_arrive(schedule)
@@ -320,8 +331,8 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
                                    layout=layout)
           q_pos = row_pos + iota(0)
           k_pos = tile_row(i) - kv_start + iota(1)
-          fresh = kv_row8 * 8 + i * block_kv - kv_start  # keys below: an earlier tile's
-          visible = mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
+          visible = visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len,
+                                 block_kv=block_kv)
           s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
@@ -441,11 +452,9 @@ def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask
   if num_items > MAX_GRID_DIM or num_heads > MAX_GRID_DIM:
     raise ValueError(f"{num_items} work items of {rows} rows (or {num_heads} heads) exceed "
                      f"the launch grid's limit of {MAX_GRID_DIM}")
-  table, lse_slot = work_list(q_offsets, kv_offsets, total_q, total_kv, mask=mask,
-                              block_q=config.block_q, block_kv=config.block_kv)
+  table, lse_slot, kv_end = work_list(q_offsets, kv_offsets, total_q, total_kv, mask=mask,
+                                      block_q=config.block_q, block_kv=config.block_kv)
   # The 8-row group holding the last key, rows past it zeroed.
-  kv_end = (q_offsets if kv_offsets is None else kv_offsets)[-1].astype(jnp.int32)
-  kv_end = jnp.clip(kv_end, 0, total_kv)
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
@@ -478,4 +487,7 @@ def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask
   )(*inputs)
   if not return_lse:
     return results[0]
-  return results[0], jnp.take(results[1], lse_slot, axis=1).T
+  # Rows past offsets[-1] belong to no sequence: no sink either (the empty-row value).
+  last = lax.cummax(jnp.clip(q_offsets[1:].astype(jnp.int32), 0, total_q))[-1]
+  lse = jnp.take(results[1], lse_slot, axis=1).T
+  return results[0], jnp.where(jnp.arange(total_q)[:, None] < last, lse, EMPTY_ROW_LSE)

@@ -1,0 +1,241 @@
+"""The Mosaic GPU backend on the CPU.
+
+What runs where: the kernel itself needs an H200 (tests/test_gpu.py, run by
+benchmarks/h200.sh). Mosaic GPU's interpreter cannot run it (its P.V product takes P from
+registers), so on the CPU this file checks the rest:
+
+- An emulator that follows the kernel's schedule step by step in NumPy: the work list
+  that XLA computes (``mosaic.work_list``), each warpgroup's Q rows, the KV tile rows
+  (``mosaic.tile_first_row``) and their masking (``mosaic.visible_keys``), the unmasked
+  tiles (where it asserts that every pair is in fact visible), the V tail group, the
+  row-exact stores (each output row written exactly once) and the LSE slots. It is
+  compared with the float64 reference on the shared case matrix, so the index arithmetic
+  is tested on the CPU and only the Mosaic GPU code generation is left to the H200.
+- Lowering for an abstract H200 (tests/test_lowering.py) of every default config.
+- Validation: what the backend refuses, and how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_prefill as pp
+from pallas_prefill import config as config_lib
+from pallas_prefill import masks, mosaic, ragged
+from tests import cases
+
+
+def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
+  """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs."""
+  if case.kind == "mha":
+    q, k, v, q_off = args
+    q_parts, k_parts = [np.asarray(q, np.float64)], [np.asarray(k, np.float64)]
+  else:
+    q, k_nope, k_rope, v, q_off = args
+    d = k_nope.shape[-1]
+    qf = np.asarray(q, np.float64)
+    q_parts = [qf[..., :d], qf[..., d:]]
+    k_parts = [np.asarray(k_nope, np.float64), np.asarray(k_rope, np.float64)]
+  v = np.asarray(v, np.float64)
+  kv_off = kwargs.get("kv_input_row_offsets")
+  mask = kwargs["mask"]
+  total_q, heads, _ = q_parts[0].shape
+  total_kv, kv_heads, dv = v.shape
+  depth = sum(x.shape[-1] for x in q_parts)
+  scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
+  sink = kwargs.get("sink_weights")
+  bq, bkv = config.block_q, config.block_kv
+  table, lse_slot, kv_end = mosaic.work_list(q_off, kv_off, total_q, total_kv, mask=mask,
+                                             block_q=bq, block_kv=bkv)
+  table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
+
+  def rows_of(x, start, n):
+    """Rows [start, start + n) of x, zeros outside it (TMA's out-of-bounds fill)."""
+    assert start >= 0, "negative TMA row"
+    out = np.zeros((n,) + x.shape[1:])
+    got = x[start:start + n]
+    out[:len(got)] = got
+    return out
+
+  out = np.full((total_q, heads, dv), np.nan)
+  written = np.zeros((total_q, heads), int)
+  lse_buf = np.full((heads, table.shape[0] * 2 * bq), np.nan)
+  c = lambda name: mosaic.__dict__[name]  # noqa: E731
+  for w, t in enumerate(table):
+    q_start, q_len = t[c("_Q_START")], t[c("_Q_LEN")]
+    kv_start, kv_len = t[c("_KV_START")], t[c("_KV_LEN")]
+    kv_row8, kv_last8 = t[c("_KV_ROW8")], t[c("_KV_LAST8")]
+    item_lo, item_hi = t[c("_T_LO")], t[c("_T_HI")]
+    for g in range(mosaic.COMPUTE_WGS):
+      t_lo, u_lo, u_hi, t_hi = t[c("_WG_COLS") + 4 * g:c("_WG_COLS") + 4 * g + 4]
+      assert item_lo <= t_lo <= u_lo <= u_hi <= t_hi <= item_hi, t
+      row = (t[c("_ROW8")] + g * (bq // 8)) * 8
+      first = int(np.clip(q_start - row, 0, bq))
+      n_rows = int(np.clip(q_start + q_len - row, 0, bq)) - first
+      row_pos = kv_len - q_len + row - q_start
+      stored = slice(first, first + n_rows)
+      for h in range(heads):
+        kvh = h // (heads // kv_heads)
+        qs = [rows_of(x[:, h], row, bq) for x in q_parts]
+        m = np.full(bq, sink[h] if sink is not None else -np.inf)
+        l = np.full(bq, 1.0 if sink is not None else 0.0)
+        acc = np.zeros((bq, dv))
+        for i in range(t_lo, t_hi):
+          start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
+          s = sum(qx @ rows_of(kx[:, kvh if kx.shape[1] > 1 else 0], start, bkv).T
+                  for qx, kx in zip(qs, k_parts)) * scale
+          q_pos = row_pos + np.arange(bq)[:, None]
+          k_pos = start - kv_start + np.arange(bkv)[None, :]
+          vis = np.asarray(mosaic.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
+                                               kv_len, block_kv=bkv))
+          if u_lo <= i < u_hi:
+            assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
+          vt = rows_of(v[:, kvh], start, bkv)
+          if start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
+            tail_rows = start + bkv - 8 + np.arange(8)
+            vt[bkv - 8:][tail_rows >= kv_end] = 0.0
+          s = np.where(vis, s, -np.inf)
+          m_new = np.maximum(m, s.max(axis=1))
+          p = np.where(np.isneginf(s), 0.0, np.exp(s - np.where(np.isneginf(m_new), 0,
+                                                                  m_new)[:, None]))
+          alpha = np.where(np.isneginf(m), 0.0, np.exp(m - np.where(np.isneginf(m_new), 0,
+                                                                      m_new)))
+          acc = acc * alpha[:, None] + p @ vt
+          l = l * alpha + p.sum(axis=1)
+          m = m_new
+        seen = l > 0
+        o = acc / np.where(seen, l, 1.0)[:, None]
+        out[row + first:row + first + n_rows, h] = o[stored]
+        written[row + first:row + first + n_rows, h] += 1
+        lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), ragged.EMPTY_ROW_LSE)
+        lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
+  assert (written == 1).all(), f"rows written {np.unique(written)} times"
+  lse = lse_buf[:, lse_slot].T
+  last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
+                                       total_q))[-1]
+  lse[last:] = ragged.EMPTY_ROW_LSE  # rows of no sequence, as the wrapper does
+  return out, lse
+
+
+EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES)
+            if cases.mosaic_serves(c)] + [
+    cases.Case(lens=(7, 130, 3, 300, 9), kv_lens=(20, 0, 200, 64, 9), head_dim=64,
+               lse=True, config=None),
+    cases.Case(lens=(70, 1, 200), kv_lens=(300, 1, 264), head_dim=64, sink=True, lse=True,
+               mask=masks.SlidingWindowCausalMask(100), config=None),
+]
+
+
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: c.name)
+def test_schedule_matches_reference(case):
+  seed = cases.fresh_seed()
+  args, kwargs, last_row = cases.make_inputs(case, seed)
+  pad = ragged.padded_depth
+  qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
+  config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
+                                            jnp.bfloat16, case.mask, 1)
+  out, lse = emulate(case, args, kwargs, config)
+  _, reference = cases.ENTRY_POINTS[case.kind]
+  ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True, output_dtype=jnp.float32))
+  tag = f"{case.name} seed={seed}"
+  assert np.isfinite(out).all(), tag
+  assert cases.rel_err(out, ref_out) < 1e-4, tag
+  np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
+  assert not out[last_row:].any(), tag
+
+
+def test_work_list_covers_garbage_offsets_once():
+  """Any offsets (jit gives no validation) give items whose stored rows cover every row
+  exactly once, and no negative TMA row."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  for _ in range(20):
+    total = int(rng.integers(1, 500))
+    off = jnp.asarray(rng.integers(-50, total + 50, size=int(rng.integers(2, 9))), jnp.int32)
+    table, slot, _ = mosaic.work_list(off, None, total, total, mask=masks.CausalMask(),
+                                      block_q=64, block_kv=128)
+    table = np.asarray(table)
+    covered = np.zeros(total, int)
+    for t in table:
+      for g in range(2):
+        row = (t[mosaic._ROW8] + g * 8) * 8
+        first = np.clip(t[mosaic._Q_START] - row, 0, 64)
+        n = np.clip(t[mosaic._Q_START] + t[mosaic._Q_LEN] - row, 0, 64) - first
+        covered[row + first:row + first + n] += 1
+      assert t[mosaic._KV_LAST8] >= 0 and t[mosaic._KV_ROW8] >= 0
+    assert (covered == 1).all(), (off, covered)
+    assert np.asarray(slot).shape == (total,)
+
+
+def test_items_are_heaviest_first():
+  off = jnp.asarray([0, 10, 4000, 4100, 8000], jnp.int32)
+  table, _, _ = mosaic.work_list(off, None, 8000, 8000, mask=masks.CausalMask(), block_q=64,
+                              block_kv=128)
+  steps = np.asarray(table[:, mosaic._T_HI] - table[:, mosaic._T_LO])
+  assert (np.diff(steps) <= 0).all() and steps[0] > steps[-1]
+
+
+def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
+  x = jnp.ones((rows, 4, depth), dtype)
+  return x, x, x, jnp.asarray([0, rows], jnp.int32)
+
+
+@pytest.mark.parametrize("dtype,depth,why", [
+    (jnp.float32, 128, "dtype float32"),
+    (jnp.bfloat16, 32, "depth 32"),
+    (jnp.bfloat16, 256, "shared memory"),
+])
+def test_refuses_what_it_cannot_serve(dtype, depth, why):
+  with pytest.raises(NotImplementedError, match=why):
+    pp.mha_prefill(*_mha_args(dtype, depth), max_prompt_len=256, backend="mosaic_gpu",
+                   interpret=False)
+
+
+def test_refuses_paged():
+  q = jnp.ones((64, 4, 128), jnp.bfloat16)
+  pages = jnp.ones((4, 64, 4, 128), jnp.bfloat16)
+  kv = pp.PagedKV(pages, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(NotImplementedError, match="paged"):
+    pp.mha_prefill(q, kv, kv, jnp.asarray([0, 64], jnp.int32), max_prompt_len=64,
+                   backend="mosaic_gpu", interpret=False)
+
+
+def test_backend_argument_errors():
+  args = _mha_args()
+  with pytest.raises(ValueError, match="backend must be one of"):
+    pp.mha_prefill(*args, max_prompt_len=256, backend="cuda")
+  with pytest.raises(ValueError, match="no interpret mode"):
+    pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu", interpret=True)
+  with pytest.raises(TypeError, match="MosaicConfig"):
+    pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu",
+                   config=pp.MhaConfig(), interpret=False)
+  with pytest.raises(TypeError, match="MhaConfig"):
+    pp.mha_prefill(*args, max_prompt_len=256, config=pp.MosaicConfig())
+  for bad in (dict(block_q=128), dict(block_kv=32), dict(num_stages=1)):
+    with pytest.raises(ValueError, match="MosaicConfig"):
+      pp.MosaicConfig(**bad)
+
+
+def test_auto_runs_triton_in_interpret_mode():
+  """backend="auto" never picks Mosaic GPU where it cannot run: here, interpret mode on
+  the CPU, whatever the tuned table says."""
+  case = cases.Case(head_dim=128, config=None)
+  args, kwargs, last_row = cases.make_inputs(case, cases.fresh_seed())
+  result = pp.mha_prefill(*args, backend="auto", **kwargs)
+  expected = pp.reference.mha_prefill_reference(*args, **kwargs)
+  cases.check_outputs(case, result, expected, last_row, 0)
+
+
+def test_default_configs_fit_shared_memory():
+  for qk, v in ((64, 64), (128, 128), (192, 128), (128, 64), (64, 128)):
+    cfg = config_lib.default_mosaic_config(qk, v, jnp.bfloat16, masks.CausalMask(), 4096)
+    parts = [ragged.QkPart(0, 0, 0, 0, qk)]
+    assert mosaic.smem_bytes(parts, v, jnp.bfloat16, jnp.float32, True, cfg) <= (
+        mosaic.SMEM_BYTES), (qk, v, cfg)
+
+
+del dataclasses, jax
