@@ -145,6 +145,16 @@ def chart(rows, path) -> bool:
   return True
 
 
+def save(out, meta, rows) -> str:
+  """Writes results.json and results.md under `out`; returns the Markdown table."""
+  table = markdown(rows)
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(table + "\n")
+  return table
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
@@ -165,12 +175,8 @@ def main(argv=None):
   rows, progress = [], [0, len(cases) * len(args.systems)]
   for kind, workload in cases:
     run_case(kind, workload, args.systems, rows, progress)
-  table = markdown(rows)
-  print("\n" + table)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(dict(meta=meta, rows=rows), f, indent=1)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(table + "\n")
+    save(args.out, meta, rows)  # after every workload: a run cut short keeps its rows
+  print("\n" + save(args.out, meta, rows))
   chart(rows, os.path.join(args.out, "results.png"))
   return 0
 

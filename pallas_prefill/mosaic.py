@@ -70,7 +70,21 @@ def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicCo
   o = COMPUTE_WGS * config.block_q * v_depth * jnp.dtype(output_dtype).itemsize
   kv = config.num_stages * config.block_kv * (qk + v_depth) * item
   lse = COMPUTE_WGS * config.block_q * 4 if return_lse else 0
-  return q + o + kv + lse + 1024  # barriers and alignment
+  return q + o + kv + lse + 4096  # barriers, alignment (2.6 KiB seen at MHA d128)
+
+
+def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
+           return_lse) -> MosaicConfig:
+  """A default config cut down (stages to 2, then 64-row K/V tiles) until shared memory
+  holds it for these operands (a float32 output takes more of it)."""
+  while smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config) > SMEM_BYTES:
+    if config.num_stages > 2:
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    elif config.block_kv > 64:
+      config = dataclasses.replace(config, block_kv=64)
+    else:
+      break
+  return config
 
 
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, paged,

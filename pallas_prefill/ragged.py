@@ -336,7 +336,9 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   if isinstance(config, MosaicConfig):
     mosaic_config = config
   else:
-    mosaic_config = default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len)
+    mosaic_config = mosaic.fitted(
+        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
+        v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
                                      paged is not None, mosaic_config)
   if backend == "mosaic_gpu":

@@ -232,10 +232,90 @@ def test_auto_runs_triton_in_interpret_mode():
 
 def test_default_configs_fit_shared_memory():
   for qk, v in ((64, 64), (128, 128), (192, 128), (128, 64), (64, 128)):
-    cfg = config_lib.default_mosaic_config(qk, v, jnp.bfloat16, masks.CausalMask(), 4096)
     parts = [ragged.QkPart(0, 0, 0, 0, qk)]
+    cfg = mosaic.fitted(
+        config_lib.default_mosaic_config(qk, v, jnp.bfloat16, masks.CausalMask(), 4096),
+        parts, v, jnp.bfloat16, jnp.float32, True)
     assert mosaic.smem_bytes(parts, v, jnp.bfloat16, jnp.float32, True, cfg) <= (
         mosaic.SMEM_BYTES), (qk, v, cfg)
 
 
-del dataclasses, jax
+
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering for an abstract H200: Mosaic GPU's own checks (TMA alignment and tiling,
+# shared memory, layouts) run here, without a GPU.
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  kind: str = "mha"
+  total_q: int = 1000
+  total_kv: int | None = None  # K/V rows with K/V offsets; None: packed like Q
+  heads: int = 8
+  kv_heads: int = 2
+  head_dim: int = 128
+  head_dim_v: int = 128
+  rope: int = 64  # MLA
+  dtype: str = "bfloat16"
+  mask: object = masks.CausalMask()
+  sink: bool = False
+  lse: bool = False
+  output_dtype: str | None = None
+
+  def lower(self):
+    dt, s = jnp.dtype(self.dtype), jax.ShapeDtypeStruct
+    kv_rows = self.total_kv or self.total_q
+    off = s((6,), jnp.int32)
+    kw = dict(max_prompt_len=512, mask=self.mask, return_lse=self.lse,
+              output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu")
+    kv_off = off if self.total_kv else None
+    if self.kind == "mha":
+      def fn(q, k, v, o, ko, sw):
+        return pp.mha_prefill(q, k, v, o, kv_input_row_offsets=ko, sink_weights=sw, **kw)
+      args = (s((self.total_q, self.heads, self.head_dim), dt),
+              s((kv_rows, self.kv_heads, self.head_dim), dt),
+              s((kv_rows, self.kv_heads, self.head_dim_v), dt), off, kv_off,
+              s((self.heads,), jnp.float32) if self.sink else None)
+    else:
+      def fn(q, kn, kr, v, o, ko):
+        return pp.mla_prefill(q, kn, kr, v, o, kv_input_row_offsets=ko, **kw)
+      args = (s((self.total_q, self.heads, self.head_dim + self.rope), dt),
+              s((kv_rows, self.kv_heads, self.head_dim), dt), s((kv_rows, 1, self.rope), dt),
+              s((kv_rows, self.kv_heads, self.head_dim_v), dt), off, kv_off)
+    from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+    return lower_for_h200(fn, *args)
+
+
+LOWERED = [
+    *[Lowered(mask=m) for m in (masks.CausalMask(), masks.NullMask(),
+                                 masks.SlidingWindowCausalMask(128), masks.ChunkedCausalMask(256))],
+    Lowered(head_dim=64, head_dim_v=64, heads=16, kv_heads=16),
+    Lowered(head_dim=96, head_dim_v=96),  # padded to 128
+    Lowered(head_dim=80, head_dim_v=48),  # padded to 128 / 64
+    Lowered(kv_heads=1, sink=True, lse=True),
+    Lowered(total_q=1001, total_kv=1503, lse=True),  # rows padded to multiples of 8
+    Lowered(total_q=40, total_kv=50),  # arrays shorter than a tile
+    Lowered(dtype="float16", output_dtype="float32", lse=True),
+    Lowered(kind="mla", heads=16, kv_heads=16),
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, output_dtype="float32",
+            lse=True, mask=masks.SlidingWindowCausalMask(300)),
+]
+
+
+@pytest.mark.parametrize("problem", LOWERED, ids=repr)
+def test_default_config_lowers(problem):
+  lowered = problem.lower()
+  text = lowered.as_text()
+  assert f"custom_call @{MOSAIC_CALL}(" in text
+  assert "__gpu$xla.gpu.triton" not in text
+  out_info = lowered.out_info
+  out = out_info[0] if problem.lse else out_info
+  dv = problem.head_dim_v
+  assert out.shape == (problem.total_q, problem.heads, dv)
+  assert out.dtype == jnp.dtype(problem.output_dtype or problem.dtype)
+  if problem.lse:
+    assert out_info[1].shape == (problem.total_q, problem.heads)
