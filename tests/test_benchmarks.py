@@ -35,9 +35,11 @@ def test_harness_smoke_run_writes_results(tmp_path, capsys):
                       ("tiny_paged", "pallas_prefill"),
                       ("tiny_paged", "pallas_prefill_contiguous")}
   for r in got.values():
-    assert set(r) == {"kernel", "workload", "system", "ms", "tflops", "relerr", "correct"}
+    assert set(r) == {"kernel", "workload", "system", "backend", "ms", "tflops", "relerr",
+                      "correct"}
+    assert r["backend"] == ("" if r["system"] == "xla_padded" else "triton")
     assert r["correct"] and r["relerr"] < 1e-2 and r["ms"] > 0 and r["tflops"] > 0
-  assert "| mha | tiny | pallas_prefill |" in (tmp_path / "results.md").read_text()
+  assert "| mha | tiny | pallas_prefill | triton |" in (tmp_path / "results.md").read_text()
 
 
 def test_tuner_writes_a_table_config_reads(tmp_path):
