@@ -18,5 +18,10 @@ TUNED = {
 # backend="mosaic_gpu": device kind -> {key as above: (block_q, block_kv, num_stages,
 # faster than Triton)}; the last field is what backend="auto" follows.
 TUNED_MOSAIC = {
-    "NVIDIA H200": {},
+    "NVIDIA H200": {
+        (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, False),
+        (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, True),
+        (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, False),
+        (192, 128, "bfloat16", "CausalMask", True): (64, 64, 3, True),
+    },
 }

@@ -319,3 +319,21 @@ def test_default_config_lowers(problem):
   assert out.dtype == jnp.dtype(problem.output_dtype or problem.dtype)
   if problem.lse:
     assert out_info[1].shape == (problem.total_q, problem.heads)
+
+
+@pytest.mark.parametrize("max_prompt_len,dtype,expect", [
+    (4096, "bfloat16", MOSAIC_CALL),  # long prompts: Mosaic GPU measured faster
+    (64, "bfloat16", "__gpu$xla.gpu.triton"),  # short ones: Triton measured faster
+    (4096, "float32", "__gpu$xla.gpu.triton"),  # Mosaic GPU cannot serve float32
+])
+def test_auto_follows_the_tuned_table_on_an_h200(max_prompt_len, dtype, expect):
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  s, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
+  args = (s((1000, 8, 128), dt), s((1000, 2, 128), dt), s((1000, 2, 128), dt),
+          s((6,), jnp.int32))
+  fn = lambda q, k, v, o: pp.mha_prefill(q, k, v, o, max_prompt_len=max_prompt_len,  # noqa
+                                         backend="auto", interpret=False)
+  text = lower_for_h200(fn, *args).as_text()
+  assert f"custom_call @{expect}(" in text
+  other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
+  assert f"custom_call @{other}(" not in text
