@@ -49,8 +49,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       YaRN-corrected scale here.
     output_dtype: default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp [total_q, num_heads].
-    config: a ``MhaConfig`` or ``MosaicConfig`` (as backend); None picks the tuned default (DeepSeek-V3's 128 heads,
-      128 + 64, d_v 128 is the tuned case).
+    config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
+      tuned default (DeepSeek-V3's 128 heads, 128 + 64, d_v 128 is the tuned case).
     interpret: None means interpret mode exactly when the default backend is the CPU.
     backend: "triton", "mosaic_gpu" or "auto", as in ``mha_prefill``.
 

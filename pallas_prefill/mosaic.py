@@ -14,13 +14,19 @@ The ragged parts, which the dense kernel has none of:
   the whole item, and per warpgroup: first, first unmasked, end of unmasked, end) are
   read by the kernel from a small int32 table, so the three warpgroups agree on every
   trip count, zero included. The grid is ``(num_heads, work items)``.
-- TMA loads start at any row. Query rows past the sequence belong to its neighbour (or
-  lie past the array, which TMA fills with zeros): they are computed and never stored.
-- A sequence's last KV tile is shifted back so that it ends at the sequence's last key:
-  no tile ever reads a K/V row past the sequence (rows past ``kv_offsets[-1]`` may hold
-  anything, NaN included, and 0 * NaN would poison P.V). The columns the shifted tile
-  repeats are masked, as are the rows before the first key (a tile starts at a multiple
-  of 8 rows, and never before row 0: tiled TMA coordinates are unsigned).
+- TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
+  arrays whose row count is one: an item starts at its sequence's first row rounded down
+  to 8, and the rows before it (a neighbour's) and past the sequence are computed and
+  never stored; operands of other row counts are copied with zero rows added.
+- KV tile i starts at the sequence's first key rounded down to 8, plus i * block_kv, but
+  no later than ``max(ceil8(kv_end) - block_kv, 0)``: the last tile is shifted back to end
+  in the 8-row group of the last key, so it reads no K/V row past that group. The keys it
+  repeats and those before the sequence are masked. (Not before row 0: tiled TMA
+  coordinates are unsigned.) Rows past the batch's last key may hold anything, NaN
+  included, and 0 * NaN would poison P.V: the group holding that key comes from
+  ``v_tail``, a copy with the rows past it zeroed. One gap remains: when all of the
+  batch's keys lie in the first ``block_kv - 8`` rows of longer K/V arrays, the clamped
+  first tile reads V rows past the last key, which must then be finite.
 - Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
   rows), as JAX's ragged_dot does, so no store touches a neighbour's rows. The LSE goes
   to a per-item buffer that XLA gathers back into rows.
@@ -208,9 +214,9 @@ def num_work_items(total_q, batch, block_q):
 
 def _load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
   """TMA of rows [start, start + rows) of `src` (a function of a row slice giving a GMEM
-  ref view) into `dst`, signalling `barrier` twice: rows - 8 rows, then the last 8, which
-  come from `tail` (a view of an 8-row array) when they are the group `tail_group` (in
-  units of 8 rows)."""
+  ref view) into `dst`, in two copies that both signal `barrier`: rows - 8 rows, then the
+  last 8, which come from `tail` (a view of an 8-row array) when they are the group
+  `tail_group` (in units of 8 rows)."""
   head = rows - 8
   plgpu.copy_gmem_to_smem(src(pl.ds(start, head)), dst.at[pl.ds(0, head)], barrier)
   last8 = start // 8 + head // 8

@@ -210,6 +210,9 @@ def test_backend_argument_errors():
     pp.mha_prefill(*args, max_prompt_len=256, backend="cuda")
   with pytest.raises(ValueError, match="no interpret mode"):
     pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu", interpret=True)
+  if jax.default_backend() == "cpu":  # interpret=None means interpret mode here
+    with pytest.raises(ValueError, match="no interpret mode"):
+      pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu")
   with pytest.raises(TypeError, match="MosaicConfig"):
     pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu",
                    config=pp.MhaConfig(), interpret=False)
