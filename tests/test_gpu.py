@@ -1,5 +1,7 @@
 """The shared case matrix compiled on a real GPU (skipped on the CPU; benchmarks/h200.sh runs
-it on the H200), plus sizes that interpret mode is too slow for."""
+it on the H200), plus sizes that interpret mode is too slow for: on the Triton backend
+(test_compiled_*) and on the Mosaic GPU backend, which needs a Hopper GPU (test_mosaic_*;
+tests/test_mosaic.py covers it on the CPU with an emulator of its schedule and lowering)."""
 
 import dataclasses
 
