@@ -447,23 +447,16 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
 
-def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
-                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
-  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
-  None); arguments and results as ``ragged.ragged_attention``'s."""
-  return _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts,
-                 mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
-                 config=config)
-
-
 def padded_rows(rows: int, tile: int) -> int:
   """The rows an operand of `rows` rows is given to the kernel with: a multiple of 8, at
   least one tile. Operands that already have them are passed without a copy."""
   return max(-(-rows // 8) * 8, tile)
 
 
-def _launch(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts, mask, scale,
-            output_dtype, return_lse, config):
+def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
+  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
+  None); arguments and results as ``ragged.ragged_attention``'s."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv, num_kv_heads, v_depth = v.shape
   batch = q_offsets.shape[0] - 1

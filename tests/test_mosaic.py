@@ -18,6 +18,7 @@ registers), so on the CPU this file checks the rest:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   out = np.full((total_q, heads, dv), np.nan)
   written = np.zeros((total_q, heads), int)
   lse_buf = np.full((heads, table.shape[0] * 2 * bq), np.nan)
-  c = lambda name: mosaic.__dict__[name]  # noqa: E731
+  c = functools.partial(getattr, mosaic)  # the table columns, mosaic._Q_START etc.
   for w, t in enumerate(table):
     q_start, q_len = t[c("_Q_START")], t[c("_Q_LEN")]
     kv_start, kv_len = t[c("_KV_START")], t[c("_KV_LEN")]
