@@ -104,14 +104,14 @@ def main(argv=None):
   parser.add_argument("--backend", default="triton", choices=["triton", "mosaic_gpu"])
   parser.add_argument("--write", action="store_true", help="update pallas_prefill/tuned.py")
   args = parser.parse_args(argv)
-  if args.backend == "mosaic_gpu":
-    return tune_mosaic(args)
+  mosaic = args.backend == "mosaic_gpu"
   device = jax.devices()[0].device_kind
-  table = {k: dict(v) for k, v in tuned.TUNED.items()}
+  table = {k: dict(v) for k, v in (tuned.TUNED_MOSAIC if mosaic else tuned.TUNED).items()}
   for kind in args.kernels:
     qk, v = DEPTHS[kind]
     for long, names in CLASSES.items():
-      scored = [(candidate_tflops(kind, names, cfg), cfg) for cfg in SWEEP]
+      scored = [(candidate_tflops(kind, names, cfg, args.backend), cfg)
+                for cfg in (MOSAIC_SWEEP if mosaic else SWEEP)]
       scored = [(s, cfg) for s, cfg in scored if s is not None]
       if not scored:
         print(f"{kind} long={long}: no candidate passed", flush=True)
@@ -119,37 +119,20 @@ def main(argv=None):
       best, cfg = max(scored, key=lambda x: x[0])
       key = config_lib.tuned_key(qk, v, jnp.bfloat16, pp.masks.CausalMask(),
                                  config_lib.LONG_PROMPT + 1 if long else 1)
-      table.setdefault(device, {})[key] = (cfg.block_q, cfg.block_kv, cfg.num_warps,
-                                           cfg.num_stages)
-      print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean)", flush=True)
+      if mosaic:  # the entry also says whether it beat the Triton default ("auto")
+        triton = candidate_tflops(kind, names, None, "triton") or 0.0
+        entry = (cfg.block_q, cfg.block_kv, cfg.num_stages, best > triton)
+        versus = f", Triton default {triton:.1f}"
+      else:
+        entry, versus = (cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.num_stages), ""
+      table.setdefault(device, {})[key] = entry
+      print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean){versus}",
+            flush=True)
   if args.write:
-    write_table(tuned.__file__, table)
-  pprint.pprint(table)
-  return 0
-
-
-def tune_mosaic(args) -> int:
-  device = jax.devices()[0].device_kind
-  table = {k: dict(v) for k, v in tuned.TUNED_MOSAIC.items()}
-  for kind in args.kernels:
-    qk, v = DEPTHS[kind]
-    for long, names in CLASSES.items():
-      scored = [(candidate_tflops(kind, names, cfg, "mosaic_gpu"), cfg)
-                for cfg in MOSAIC_SWEEP]
-      scored = [(s, cfg) for s, cfg in scored if s is not None]
-      if not scored:
-        print(f"{kind} long={long}: no candidate passed", flush=True)
-        continue
-      best, cfg = max(scored, key=lambda x: x[0])
-      triton = candidate_tflops(kind, names, None, "triton") or 0.0
-      key = config_lib.tuned_key(qk, v, jnp.bfloat16, pp.masks.CausalMask(),
-                                 config_lib.LONG_PROMPT + 1 if long else 1)
-      table.setdefault(device, {})[key] = (cfg.block_q, cfg.block_kv, cfg.num_stages,
-                                           best > triton)
-      print(f"{kind} long={long}: best {cfg} at {best:.1f} TFLOP/s (geomean), Triton "
-            f"default {triton:.1f}", flush=True)
-  if args.write:
-    write_table(tuned.__file__, tuned.TUNED, table)
+    if mosaic:
+      write_table(tuned.__file__, tuned.TUNED, table)
+    else:
+      write_table(tuned.__file__, table)
   pprint.pprint(table)
   return 0
 

@@ -15,6 +15,6 @@ from pallas_prefill.paged import PagedKV
 from pallas_prefill.validation import validate_offsets
 
 __all__ = [
-    "MhaConfig", "MosaicConfig", "PagedKV", "masks", "mha_prefill", "mla_prefill", "paged", "reference",
-    "validate_offsets",
+    "MhaConfig", "MosaicConfig", "PagedKV", "masks", "mha_prefill", "mla_prefill", "paged",
+    "reference", "validate_offsets",
 ]

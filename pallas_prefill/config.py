@@ -86,6 +86,14 @@ def tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len) -> tuple:
           max_prompt_len > LONG_PROMPT)
 
 
+def _tuned_entry(tables, qk_depth, v_depth, dtype, mask, max_prompt_len):
+  """The entry of `tables` (device kind -> {tuned_key: tuple}) for the device and call: the
+  mask's own, else the causal one, else None."""
+  table = tables.get(_device_kind(), {})
+  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
+  return table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+
+
 # On a paged cache each KV tile costs a block-table read; KV tiles of at least this many
 # rows (when the page has them) hide it (measured for bf16 at depth 128, BUILD_NOTES.md).
 PAGED_MIN_BLOCK_KV = 64
@@ -96,9 +104,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   """The Mosaic GPU configuration ``config=None`` uses: the tuned entry for the device, else
   128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows of K and V
   would not fit shared memory twice over (MLA's 192 + 128)."""
-  table = TUNED_MOSAIC.get(_device_kind(), {})
-  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
-  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
   if tuned is not None:
     return MosaicConfig(*tuned[:3])
   if (qk_depth + v_depth) * jnp.dtype(dtype).itemsize * 128 * 2 > 128 * 1024:
@@ -109,9 +115,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
 def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int) -> bool:
   """Whether ``backend="auto"`` picks Mosaic GPU: the tuned table's verdict for the device
   (the last field of an entry: measured faster than Triton on the H200)."""
-  table = TUNED_MOSAIC.get(_device_kind(), {})
-  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
-  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
   return tuned is not None and tuned[3]
 
 
@@ -126,9 +130,7 @@ def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   lies inside one page, and for rows up to 256 bytes wide (bf16 at depth 128) it takes up
   to ``PAGED_MIN_BLOCK_KV`` rows of it.
   """
-  table = TUNED.get(_device_kind(), {})
-  key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
-  tuned = table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
+  tuned = _tuned_entry(TUNED, qk_depth, v_depth, dtype, mask, max_prompt_len)
   wide = max(qk_depth, v_depth) * jnp.dtype(dtype).itemsize > 256  # wider than bf16 d128
   if tuned is not None:
     config = MhaConfig(*tuned)

@@ -41,22 +41,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_prefill import ragged  # its numeric constants (ragged imports this module)
 from pallas_prefill.config import MosaicConfig
 
-_LOG2_E = math.log2(math.e)
-_LN_2 = math.log(2.0)
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-EMPTY_ROW_LSE = -1e30
-MAX_GRID_DIM = 65535
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
 COMPUTE_WGS = 2
 # Columns of the per-item table the kernel reads. Row numbers the kernel passes to TMA are
@@ -313,9 +307,9 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
 
       layout = plgpu.Layout.WGMMA
       if has_sink:
-        m0, l0 = sink_ref[h] * _LOG2_E, 1.0
+        m0, l0 = sink_ref[h] * ragged.LOG2_E, 1.0
       else:
-        m0, l0 = _MASK_VALUE, 0.0
+        m0, l0 = ragged.MASK_VALUE, 0.0
       m_i = plgpu.layout_cast(jnp.full((block_q,), m0, jnp.float32), layout.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((block_q,), l0, jnp.float32), layout.reduce(1))
       acc = plgpu.layout_cast(jnp.zeros((block_q, v_depth), jnp.float32), layout)
@@ -394,7 +388,8 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
       o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
       if has_lse:
         lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN_2, EMPTY_ROW_LSE)
+        lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
+                                  ragged.EMPTY_ROW_LSE)
       plgpu.commit_smem()
       # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
       size = block_q
@@ -462,9 +457,9 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   batch = q_offsets.shape[0] - 1
   rows = COMPUTE_WGS * config.block_q
   num_items = num_work_items(total_q, batch, config.block_q)
-  if num_items > MAX_GRID_DIM or num_heads > MAX_GRID_DIM:
+  if num_items > ragged.MAX_GRID_DIM or num_heads > ragged.MAX_GRID_DIM:
     raise ValueError(f"{num_items} work items of {rows} rows (or {num_heads} heads) exceed "
-                     f"the launch grid's limit of {MAX_GRID_DIM}")
+                     f"the launch grid's limit of {ragged.MAX_GRID_DIM}")
   table, lse_slot, kv_end = work_list(q_offsets, kv_offsets, total_q, total_kv, mask=mask,
                                       block_q=config.block_q, block_kv=config.block_kv)
   # The 8-row group holding the last key, rows past it zeroed.
@@ -484,7 +479,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
-      scale=scale * _LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads,
       out_dtype=jnp.dtype(output_dtype))
   inputs = [table]
@@ -503,4 +498,5 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   # Rows past offsets[-1] belong to no sequence: no sink either (the empty-row value).
   last = lax.cummax(jnp.clip(q_offsets[1:].astype(jnp.int32), 0, total_q))[-1]
   lse = jnp.take(results[1], lse_slot, axis=1).T
-  return results[0], jnp.where(jnp.arange(total_q)[:, None] < last, lse, EMPTY_ROW_LSE)
+  return results[0], jnp.where(jnp.arange(total_q)[:, None] < last, lse,
+                               ragged.EMPTY_ROW_LSE)

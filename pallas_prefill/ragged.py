@@ -33,11 +33,11 @@ from pallas_prefill.config import (MhaConfig, MosaicConfig, default_config,
 from pallas_prefill.paged import PagedKV
 
 # Finite stand-in for -inf: a row that sees no key must come out as zeros, never NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The log-sum-exp reported for a row that sees no key and has no sink.
 EMPTY_ROW_LSE = -1e30
-_LOG2_E = math.log2(math.e)
-_LN_2 = math.log(2.0)
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 MAX_GRID_DIM = 65535  # CUDA's limit on a launch grid's y and z dimensions
 
 
@@ -182,7 +182,7 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
       s = s * scale
       if masked:
         visible = mask.visible(q_pos[:, None], cols[None, :]) & kv_valid[None, :]
-        s = jnp.where(visible, s, _MASK_VALUE)
+        s = jnp.where(visible, s, MASK_VALUE)
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
       alpha = jnp.exp2(m_prev - m_new)
       p = jnp.exp2(s - m_new[:, None])
@@ -197,10 +197,10 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
       return acc, m_new, l_new, page
 
     if has_sink:
-      m0 = jnp.full((block_q,), sink_ref[h].astype(jnp.float32) * _LOG2_E, jnp.float32)
+      m0 = jnp.full((block_q,), sink_ref[h].astype(jnp.float32) * LOG2_E, jnp.float32)
       l0 = jnp.ones((block_q,), jnp.float32)
     else:
-      m0 = jnp.full((block_q,), _MASK_VALUE, jnp.float32)
+      m0 = jnp.full((block_q,), MASK_VALUE, jnp.float32)
       l0 = jnp.zeros((block_q,), jnp.float32)
     page = page_of(t_lo) if kv_layout == "paged" else jnp.int32(0)
     carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), m0, l0, page)
@@ -215,7 +215,7 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
     plt.store(o_ref.at[pl.ds(q_start + row0, block_q), h, :], out.astype(o_ref.dtype),
               mask=row_valid[:, None])
     if has_lse:
-      lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN_2, EMPTY_ROW_LSE)
+      lse = jnp.where(seen, (m + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
       plt.store(lse_ref.at[pl.ds(q_start + row0, block_q), h], lse, mask=row_valid)
 
   # Rows that no attention program covers get zeros: a sequence's rows past
@@ -292,7 +292,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), kv_layout=kv_layout,
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
-      scale=scale * _LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      scale=scale * LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_tiles=num_tiles, group=num_heads // num_kv_heads)
   inputs = [q_offsets]
   inputs += [kv_offsets] if kv_offsets is not None else []

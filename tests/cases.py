@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_prefill as pp
-from pallas_prefill import masks
+from pallas_prefill import masks, ragged
 
 CAUSAL = masks.CausalMask()
 
@@ -246,7 +246,7 @@ def mosaic_serves(case: Case) -> bool:
   """Whether backend="mosaic_gpu" takes the case (else it must refuse it with
   NotImplementedError): bf16/f16, contiguous K/V, every depth padding to a multiple of 64,
   and tiles that fit shared memory (not MHA at depth 256)."""
-  pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731
+  pad = ragged.padded_depth
   dv = case.head_dim_v or case.head_dim
   depths = [case.head_dim, dv] + ([case.rope_dim] if case.kind == "mla" else [])
   if case.kind == "mla" and pad(case.head_dim) + pad(case.rope_dim) != (
