@@ -50,11 +50,14 @@ class MosaicConfig:
     block_q: query rows per compute warpgroup (each program has two): 64.
     block_kv: key/value rows per pipeline stage: 64 or 128.
     num_stages: K/V shared-memory slots the producer warpgroup fills ahead (>= 2).
+    num_programs: the persistent kernel's programs (each runs a share of the (head, work
+      item) units, one after another); None: one per SM of the GPU.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  num_programs: int | None = None
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -66,6 +69,11 @@ class MosaicConfig:
         self.num_stages < 2):
       raise ValueError(f"MosaicConfig.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
+    if self.num_programs is not None and (
+        isinstance(self.num_programs, bool) or not isinstance(self.num_programs, int)
+        or self.num_programs < 1):
+      raise ValueError(f"MosaicConfig.num_programs must be None or an int >= 1, got "
+                       f"{self.num_programs!r}")
 
 
 LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry

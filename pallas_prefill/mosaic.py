@@ -56,10 +56,13 @@ COMPUTE_WGS = 2
 # Columns of the per-item table the kernel reads. Row numbers the kernel passes to TMA are
 # stored divided by 8: multiplying them back proves to Mosaic GPU that they are multiples
 # of 8, which TMA into 8-row-tiled shared memory requires.
-(_Q_START, _Q_LEN, _KV_START, _KV_LEN, _ROW8, _KV_ROW8, _KV_LAST8, _TAIL8, _T_LO,
- _T_HI) = range(10)
-_WG_COLS = 10  # then, per warpgroup g: 10 + 4g + (first, first unmasked, unmasked end, end)
+(_Q_START, _Q_LEN, _KV_START, _KV_LEN, _ROW8, _KV_ROW8, _KV_LAST8, _T_LO, _T_HI) = range(9)
+_WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
 _META_COLS = _WG_COLS + 4 * COMPUTE_WGS
+# The kernel's scalar operand: the items to run (those that store rows) and the 8-row
+# group of the batch's last key (the one that comes from ``v_tail``).
+_S_LIVE, _S_TAIL8 = range(2)
+H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
 def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
@@ -109,8 +112,10 @@ def _floor8(x):
 
 
 def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv):
-  """The per-item table [num_items, _META_COLS] int32, heaviest items first; each output
-  row's column in the per-item LSE buffer; and the end of the last sequence's keys.
+  """The per-item table [num_items, _META_COLS] int32; each output row's column in the
+  per-item LSE buffer; the end of the last sequence's keys; and the number of items that
+  store rows (the kernel runs those: they come first, heaviest first, and the rest of
+  the table, whose items store nothing, after them).
 
   Offsets are clamped and chained (sequence b's queries start where b-1's end), so any
   offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
@@ -178,26 +183,25 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   lo = jnp.where(empty0 & empty1, 0, lo)
   hi = jnp.maximum(hi, lo)
   cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
-          jnp.broadcast_to(_floor8(kv_tail) // 8, lo.shape), lo, hi]
+          lo, hi]
   for t_lo, u_lo, u_hi, t_hi in per_wg:
     # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
     # it the empty range at the item's start so that its loops stay in order.
     empty = t_lo == t_hi
     cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
   table = jnp.stack(cols, axis=1).astype(jnp.int32)
-  order = jnp.argsort(-(hi - lo), stable=True)
-  table = table[order]
-  # Each output row's LSE slot: launched item k stores its rows [max(row, q_start),
-  # min(row + rows, q_end)) from column k * rows + (row of the item - its first row).
-  t_row, t_start = table[:, _ROW8] * 8, table[:, _Q_START]
-  t_end = t_start + table[:, _Q_LEN]
-  first_stored = jnp.maximum(t_row, t_start)
-  stores = jnp.minimum(t_row + rows, t_end) > first_stored
+  # Item k stores its rows [max(row, q_start), min(row + rows, q_end)), if any.
+  first_stored = jnp.maximum(row, i_q_start)
+  stores = jnp.minimum(row + rows, i_q_start + i_q_len) > first_stored
+  order = jnp.argsort(jnp.where(stores, -(hi - lo), 1), stable=True)
+  table, first_stored, stores = table[order], first_stored[order], stores[order]
+  # Each output row's LSE slot: column k * rows + (row - the item's first row).
+  t_row = table[:, _ROW8] * 8
   key = jnp.where(stores, first_stored, total_q)
   by_row = jnp.argsort(key, stable=True)
   r = jnp.arange(total_q, dtype=jnp.int32)
   k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right") - 1, 0, num_items - 1)]
-  return table, k * rows + (r - t_row[k]), kv_tail
+  return table, k * rows + (r - t_row[k]), kv_tail, jnp.sum(stores, dtype=jnp.int32)
 
 
 def num_work_items(total_q, batch, block_q):
@@ -237,8 +241,34 @@ def visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len, *, block_kv):
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
-def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, block_q,
-            block_kv, num_stages, group, out_dtype):
+def program_unit(program, num_programs, k, *, num_heads):
+  """The (head, item) of program `program`'s k-th unit of work: the persistent programs
+  deal out units ``program + k * num_programs``, an item's heads side by side (they share
+  its K/V rows in L2), so every program gets a like share of heavy and light items."""
+  unit = program + k * num_programs
+  return lax.rem(unit, jnp.int32(num_heads)), lax.div(unit, jnp.int32(num_heads))
+
+
+def num_local_units(program, num_programs, num_units):
+  """How many of the units [0, num_units) program `program` of `num_programs` runs."""
+  return lax.div(jnp.maximum(num_units - program + num_programs - 1, 0), num_programs)
+
+
+def num_programs(num_units_bound: int, config: MosaicConfig) -> int:
+  """The persistent grid: ``config.num_programs``, else one program per SM of the first
+  GPU (an H200's 132 when JAX sees none, as when lowering for an abstract H200); no more
+  than there are units."""
+  programs = config.num_programs
+  if programs is None:
+    try:
+      programs = jax.devices("gpu")[0].core_count
+    except RuntimeError:
+      programs = H200_SMS
+  return max(1, min(programs, num_units_bound))
+
+
+def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
+            block_q, block_kv, num_stages, group, num_heads, out_dtype):
   refs = list(refs)
   sink_ref = refs.pop(0) if has_sink else None
   q_refs, refs = refs[:n_q], refs[n_q:]
@@ -270,19 +300,21 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
 
   def body(q_smems, k_smems, v_smem, o_smem2, lse_smem2, q_bars, k_bars, v_bars, k_used,
            v_used, schedule):
-    h = lax.axis_index("heads")
-    w = lax.axis_index("work")
     wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(group))
-    meta = lambda col: meta_ref[w, col]  # noqa: E731
-    kv_start, kv_len = meta(_KV_START), meta(_KV_LEN)
-    kv_row8, kv_last8 = meta(_KV_ROW8), meta(_KV_LAST8)
-    item_lo, item_hi = meta(_T_LO), meta(_T_HI)
+    units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
+                              num_heads=num_heads)
+    n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"),
+                              scalar_ref[_S_LIVE] * num_heads)
 
-    def slot_of(i):
-      return lax.rem(i - item_lo, jnp.int32(num_stages))
+    def item_of(k):
+      """Local unit k's head, its item's table row reader, and its KV tile range."""
+      h, w = units(k)
+      meta = lambda col: meta_ref[w, col]  # noqa: E731
+      return h, w, meta, meta(_T_LO), meta(_T_HI)
 
-    tile_row = functools.partial(tile_first_row, kv_row8, kv_last8, block_kv=block_kv)
+    def slot_of(i, base, item_lo):
+      # base: the tiles this program's earlier items streamed through the slots.
+      return lax.rem(base + i - item_lo, jnp.int32(num_stages))
 
     def sync():
       plgpu.barrier_arrive(schedule)
@@ -291,153 +323,183 @@ def _kernel(meta_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale, bl
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      q_start, q_len = meta(_Q_START), meta(_Q_LEN)
-      col = lambda j: meta(_WG_COLS + 4 * wg + j)  # noqa: E731
-      t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
-      row = (meta(_ROW8) + wg * (block_q // 8)) * 8  # this warpgroup's first row
-      first = jnp.clip(q_start - row, 0, block_q)  # rows before it: a neighbour's
-      n_rows = jnp.clip(q_start + q_len - row, 0, block_q) - first
-      row_pos = kv_len - q_len + row - q_start  # position of the row `row`
       q_smem = [s.at[wg] for s in q_smems]
-      for part, s in zip(parts, q_smem):
-        plgpu.copy_gmem_to_smem(
-            q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col, part.width)],
-            s, q_bars.at[wg])
-      plgpu.barrier_wait(q_bars.at[wg])
-
-      layout = plgpu.Layout.WGMMA
-      if has_sink:
-        m0, l0 = sink_ref[h] * ragged.LOG2_E, 1.0
-      else:
-        m0, l0 = ragged.MASK_VALUE, 0.0
-      m_i = plgpu.layout_cast(jnp.full((block_q,), m0, jnp.float32), layout.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((block_q,), l0, jnp.float32), layout.reduce(1))
-      acc = plgpu.layout_cast(jnp.zeros((block_q, v_depth), jnp.float32), layout)
-
-      pl.when(wg == 1)(sync)
-
-      def skip(i, carry):
-        slot = slot_of(i)
-        plgpu.barrier_wait(k_bars.at[slot])
-        plgpu.barrier_arrive(k_used.at[slot])
-        sync()
-        plgpu.barrier_wait(v_bars.at[slot])
-        plgpu.barrier_arrive(v_used.at[slot])
-        sync()
-        return carry
-
-      def step(i, carry, *, masked):
-        acc, m_i, l_i = carry
-        slot = slot_of(i)
-        plgpu.barrier_wait(k_bars.at[slot])
-
-        def qk(acc_ref):
-          for qs, ks in zip(q_smem, k_smems):
-            plgpu.wgmma(acc_ref, qs, ks.at[slot].transpose((1, 0)))
-          sync()
-          return acc_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_used.at[slot])
-        s = s * scale
-        if masked:
-          iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv),
-                                   layout=layout)
-          q_pos = row_pos + iota(0)
-          k_pos = tile_row(i) - kv_start + iota(1)
-          visible = visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len,
-                                 block_kv=block_kv)
-          s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha
-        p16 = p.astype(dtype)
-        if v_depth <= 128:
-          l_i = l_i + p.sum(axis=1)
-          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-          plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_wait(schedule)
-        else:
-          plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_wait(schedule)
-          l_i = l_i + p.sum(axis=1)
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_used.at[slot])
-        return acc, m_new, l_i
-
-      masked_step = functools.partial(step, masked=True)
-      lax.fori_loop(item_lo, t_lo, skip, None)
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(t_lo, u_lo, masked_step, carry)
-      carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(u_hi, t_hi, masked_step, carry)
-      lax.fori_loop(t_hi, item_hi, skip, None)
-      pl.when(wg == 0)(sync)
-
-      seen = l_i > 0
-      l_safe = jnp.where(seen, l_i, 1.0)
       o_smem = o_smem2.at[wg]
-      o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
-      if has_lse:
-        lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
-                                  ragged.EMPTY_ROW_LSE)
-      plgpu.commit_smem()
-      # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
-      size = block_q
-      while size >= 1:
-        take = (n_rows & size) != 0
+      lse_smem = lse_smem2.at[wg] if has_lse else None
 
-        @pl.when(take)
-        def _store(first=first, size=size):
-          plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, size)],
-                                  o_ref.at[pl.ds(row + first, size), h])
+      def load_q(k):
+        """TMA of local unit k's Q rows of this warpgroup (the Q buffer must be free)."""
+        h, _, meta, _, _ = item_of(k)
+        row = (meta(_ROW8) + wg * (block_q // 8)) * 8
+        for part, s in zip(parts, q_smem):
+          plgpu.copy_gmem_to_smem(
+              q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col, part.width)],
+              s, q_bars.at[wg])
 
-        first = first + jnp.where(take, size, 0)
-        size //= 2
-      if has_lse:
-        plgpu.copy_smem_to_gmem(
-            lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
+      pl.when(n_local > 0)(lambda: load_q(0))
+
+      def run_item(k, base):
+        h, w, meta, item_lo, item_hi = item_of(k)
+        kv_start, kv_len = meta(_KV_START), meta(_KV_LEN)
+        kv_row8, kv_last8 = meta(_KV_ROW8), meta(_KV_LAST8)
+        tile_row = functools.partial(tile_first_row, kv_row8, kv_last8, block_kv=block_kv)
+        slot = lambda i: slot_of(i, base, item_lo)  # noqa: E731
+        q_start, q_len = meta(_Q_START), meta(_Q_LEN)
+        col = lambda j: meta(_WG_COLS + 4 * wg + j)  # noqa: E731
+        t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
+        row = (meta(_ROW8) + wg * (block_q // 8)) * 8  # this warpgroup's first row
+        first = jnp.clip(q_start - row, 0, block_q)  # rows before it: a neighbour's
+        n_rows = jnp.clip(q_start + q_len - row, 0, block_q) - first
+        row_pos = kv_len - q_len + row - q_start  # position of the row `row`
+        plgpu.barrier_wait(q_bars.at[wg])
+
+        layout = plgpu.Layout.WGMMA
+        if has_sink:
+          m0, l0 = sink_ref[h] * ragged.LOG2_E, 1.0
+        else:
+          m0, l0 = ragged.MASK_VALUE, 0.0
+        m_i = plgpu.layout_cast(jnp.full((block_q,), m0, jnp.float32), layout.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), l0, jnp.float32), layout.reduce(1))
+        acc = plgpu.layout_cast(jnp.zeros((block_q, v_depth), jnp.float32), layout)
+
+        pl.when(wg == 1)(sync)
+
+        def skip(i, carry):
+          plgpu.barrier_wait(k_bars.at[slot(i)])
+          plgpu.barrier_arrive(k_used.at[slot(i)])
+          sync()
+          plgpu.barrier_wait(v_bars.at[slot(i)])
+          plgpu.barrier_arrive(v_used.at[slot(i)])
+          sync()
+          return carry
+
+        def step(i, carry, *, masked):
+          acc, m_i, l_i = carry
+          plgpu.barrier_wait(k_bars.at[slot(i)])
+
+          def qk(acc_ref):
+            for qs, ks in zip(q_smem, k_smems):
+              plgpu.wgmma(acc_ref, qs, ks.at[slot(i)].transpose((1, 0)))
+            sync()
+            return acc_ref[...]
+
+          s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+          plgpu.barrier_arrive(k_used.at[slot(i)])
+          s = s * scale
+          if masked:
+            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv),
+                                     layout=layout)
+            q_pos = row_pos + iota(0)
+            k_pos = tile_row(i) - kv_start + iota(1)
+            visible = visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len,
+                                   block_kv=block_kv)
+            s = jnp.where(visible, s, -jnp.inf)
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha
+          p16 = p.astype(dtype)
+          if v_depth <= 128:
+            l_i = l_i + p.sum(axis=1)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_bars.at[slot(i)])
+            plgpu.barrier_wait(schedule)
+          else:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_bars.at[slot(i)])
+            plgpu.barrier_wait(schedule)
+            l_i = l_i + p.sum(axis=1)
+
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot(i)])
+
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_used.at[slot(i)])
+          return acc, m_new, l_i
+
+        masked_step = functools.partial(step, masked=True)
+        lax.fori_loop(item_lo, t_lo, skip, None)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(t_lo, u_lo, masked_step, carry)
+        carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(u_hi, t_hi, masked_step, carry)
+        lax.fori_loop(t_hi, item_hi, skip, None)
+        pl.when(wg == 0)(sync)
+        # The matrix products are done with this Q: the next item's loads while this one
+        # is written out.
+        pl.when(k + 1 < n_local)(lambda: load_q(k + 1))
+
+        seen = l_i > 0
+        l_safe = jnp.where(seen, l_i, 1.0)
+        out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read
+        o_smem[...] = out
+        if has_lse:
+          lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
+                                    ragged.EMPTY_ROW_LSE)
+        plgpu.commit_smem()
+        # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
+        size = block_q
+        while size >= 1:
+          take = (n_rows & size) != 0
+
+          @pl.when(take)
+          def _store(first=first, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, size)],
+                                    o_ref.at[pl.ds(row + first, size), h])
+
+          first = first + jnp.where(take, size, 0)
+          size //= 2
+        if has_lse:
+          plgpu.copy_smem_to_gmem(
+              lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
+        return base + item_hi - item_lo
+
+      lax.fori_loop(0, n_local, run_item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
       plgpu.set_max_registers(40, action="decrease")
-      tail8 = meta(_TAIL8)
+      tail8 = scalar_ref[_S_TAIL8]
 
-      @pl.loop(item_lo, item_hi)
-      def _load(i):
-        slot = slot_of(i)
-        start = tile_row(i)
-        reuse = i - item_lo >= num_stages
+      def load_item(k, base):
+        h, _, meta, item_lo, item_hi = item_of(k)
+        kv_head = lax.div(h, jnp.int32(group))
+        tile_row = functools.partial(tile_first_row, meta(_KV_ROW8), meta(_KV_LAST8),
+                                     block_kv=block_kv)
 
-        @pl.when(reuse)
-        def _():
-          plgpu.barrier_wait(k_used.at[slot])
+        @pl.loop(item_lo, item_hi)
+        def _load(i):
+          slot = slot_of(i, base, item_lo)
+          start = tile_row(i)
+          reuse = base + i - item_lo >= num_stages
 
-        for part, ks in zip(parts, k_smems):
-          k_head = 0 if part.shared_k else kv_head
-          plgpu.copy_gmem_to_smem(
-              k_refs[part.k_index].at[pl.ds(start, block_kv), k_head,
-                                      pl.ds(part.k_col, part.width)],
-              ks.at[slot], k_bars.at[slot])
+          @pl.when(reuse)
+          def _():
+            plgpu.barrier_wait(k_used.at[slot])
 
-        @pl.when(reuse)
-        def _():
-          plgpu.barrier_wait(v_used.at[slot])
+          for part, ks in zip(parts, k_smems):
+            k_head = 0 if part.shared_k else kv_head
+            plgpu.copy_gmem_to_smem(
+                k_refs[part.k_index].at[pl.ds(start, block_kv), k_head,
+                                        pl.ds(part.k_col, part.width)],
+                ks.at[slot], k_bars.at[slot])
 
-        # V in two copies: when a tile's last 8 rows are the last key's group, they come
-        # from v_tail, whose rows past that key are zeros (0 * NaN is NaN).
-        _load_rows(lambda rows: v_ref.at[rows, kv_head], v_tail_ref.at[:, kv_head],
-                   block_kv, start, v_smem.at[slot], v_bars.at[slot], tail_group=tail8)
+          @pl.when(reuse)
+          def _():
+            plgpu.barrier_wait(v_used.at[slot])
+
+          # V in two copies: when a tile's last 8 rows are the last key's group, they come
+          # from v_tail, whose rows past that key are zeros (0 * NaN is NaN).
+          _load_rows(lambda rows: v_ref.at[rows, kv_head], v_tail_ref.at[:, kv_head],
+                     block_kv, start, v_smem.at[slot], v_bars.at[slot], tail_group=tail8)
+
+        return base + item_hi - item_lo
+
+      lax.fori_loop(0, n_local, load_item, jnp.int32(0))
 
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
@@ -457,11 +519,13 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   batch = q_offsets.shape[0] - 1
   rows = COMPUTE_WGS * config.block_q
   num_items = num_work_items(total_q, batch, config.block_q)
-  if num_items > ragged.MAX_GRID_DIM or num_heads > ragged.MAX_GRID_DIM:
-    raise ValueError(f"{num_items} work items of {rows} rows (or {num_heads} heads) exceed "
-                     f"the launch grid's limit of {ragged.MAX_GRID_DIM}")
-  table, lse_slot, kv_end = work_list(q_offsets, kv_offsets, total_q, total_kv, mask=mask,
-                                      block_q=config.block_q, block_kv=config.block_kv)
+  if num_heads * num_items * rows >= 2**31:
+    raise ValueError(f"{num_heads} heads x {num_items} work items of {rows} rows overflow "
+                     "the kernel's int32 unit and LSE indices")
+  table, lse_slot, kv_end, n_live = work_list(
+      q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
+      block_kv=config.block_kv)
+  scalars = jnp.stack([n_live, _floor8(kv_end) // 8]).astype(jnp.int32)
   # The 8-row group holding the last key, rows past it zeroed.
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
@@ -480,16 +544,17 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
-      num_stages=config.num_stages, group=num_heads // num_kv_heads,
+      num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
       out_dtype=jnp.dtype(output_dtype))
-  inputs = [table]
+  inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
   inputs += [*q_ops, *k_ops, v, v_tail]
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))
   results = plgpu.kernel(
-      kernel, out_type=out_type, grid=(num_heads, num_items), grid_names=("heads", "work"),
+      kernel, out_type=out_type, grid=(num_programs(num_heads * num_items, config),),
+      grid_names=("cta",),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*inputs)

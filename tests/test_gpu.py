@@ -83,6 +83,22 @@ def test_mosaic_matches_reference(case):
       cases.check_case(case, interpret=False, backend="mosaic_gpu")
 
 
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("case", [
+    cases.mosaic_variant(_LARGE),
+    dataclasses.replace(cases.mosaic_variant(_LARGE), lens=(300, 0, 7, 1000, 64, 65, 1),
+                        kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True, sink=True,
+                        mask=masks.NullMask()),
+    dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lse=True),
+], ids=lambda c: c.name)
+def test_mosaic_few_programs(case, programs):
+  """A few persistent programs, so that each runs many (head, item) units back to back:
+  K/V slots, barrier phases, the Q buffer and the output stores carried from one item to
+  the next, items with no KV tiles among them."""
+  case = dataclasses.replace(case, config=pp.MosaicConfig(num_programs=programs))
+  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
+
+
 def test_mosaic_garbage_offsets_stay_finite():
   case = cases.Case(lse=True, head_dim=128)
   (q, k, v, _), _, _ = cases.make_inputs(case, cases.fresh_seed())

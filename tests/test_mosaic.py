@@ -51,9 +51,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
-  table, lse_slot, kv_end = mosaic.work_list(q_off, kv_off, total_q, total_kv, mask=mask,
-                                             block_q=bq, block_kv=bkv)
+  table, lse_slot, kv_end, n_live = mosaic.work_list(q_off, kv_off, total_q, total_kv,
+                                                     mask=mask, block_q=bq, block_kv=bkv)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
+  # The persistent programs' units, in the order each runs them (5 programs, so that
+  # each runs several).
+  programs = 5
+  units = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
+           for p in range(programs)
+           for k in range(int(mosaic.num_local_units(p, programs, int(n_live) * heads)))]
+  assert sorted(units) == [(h, w) for h in range(heads) for w in range(int(n_live))]
 
   def rows_of(x, start, n):
     """Rows [start, start + n) of x, zeros outside it (TMA's out-of-bounds fill)."""
@@ -67,7 +74,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   written = np.zeros((total_q, heads), int)
   lse_buf = np.full((heads, table.shape[0] * 2 * bq), np.nan)
   c = functools.partial(getattr, mosaic)  # the table columns, mosaic._Q_START etc.
-  for w, t in enumerate(table):
+  for h, w in units:
+    t = table[w]
     q_start, q_len = t[c("_Q_START")], t[c("_Q_LEN")]
     kv_start, kv_len = t[c("_KV_START")], t[c("_KV_LEN")]
     kv_row8, kv_last8 = t[c("_KV_ROW8")], t[c("_KV_LAST8")]
@@ -80,41 +88,40 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       n_rows = int(np.clip(q_start + q_len - row, 0, bq)) - first
       row_pos = kv_len - q_len + row - q_start
       stored = slice(first, first + n_rows)
-      for h in range(heads):
-        kvh = h // (heads // kv_heads)
-        qs = [rows_of(x[:, h], row, bq) for x in q_parts]
-        m = np.full(bq, sink[h] if sink is not None else -np.inf)
-        l = np.full(bq, 1.0 if sink is not None else 0.0)
-        acc = np.zeros((bq, dv))
-        for i in range(t_lo, t_hi):
-          start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
-          s = sum(qx @ rows_of(kx[:, kvh if kx.shape[1] > 1 else 0], start, bkv).T
-                  for qx, kx in zip(qs, k_parts)) * scale
-          q_pos = row_pos + np.arange(bq)[:, None]
-          k_pos = start - kv_start + np.arange(bkv)[None, :]
-          vis = np.asarray(mosaic.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
-                                               kv_len, block_kv=bkv))
-          if u_lo <= i < u_hi:
-            assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
-          vt = rows_of(v[:, kvh], start, bkv)
-          if start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
-            tail_rows = start + bkv - 8 + np.arange(8)
-            vt[bkv - 8:][tail_rows >= kv_end] = 0.0
-          s = np.where(vis, s, -np.inf)
-          m_new = np.maximum(m, s.max(axis=1))
-          p = np.where(np.isneginf(s), 0.0, np.exp(s - np.where(np.isneginf(m_new), 0,
-                                                                  m_new)[:, None]))
-          alpha = np.where(np.isneginf(m), 0.0, np.exp(m - np.where(np.isneginf(m_new), 0,
-                                                                      m_new)))
-          acc = acc * alpha[:, None] + p @ vt
-          l = l * alpha + p.sum(axis=1)
-          m = m_new
-        seen = l > 0
-        o = acc / np.where(seen, l, 1.0)[:, None]
-        out[row + first:row + first + n_rows, h] = o[stored]
-        written[row + first:row + first + n_rows, h] += 1
-        lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), ragged.EMPTY_ROW_LSE)
-        lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
+      kvh = h // (heads // kv_heads)
+      qs = [rows_of(x[:, h], row, bq) for x in q_parts]
+      m = np.full(bq, sink[h] if sink is not None else -np.inf)
+      l = np.full(bq, 1.0 if sink is not None else 0.0)
+      acc = np.zeros((bq, dv))
+      for i in range(t_lo, t_hi):
+        start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
+        s = sum(qx @ rows_of(kx[:, kvh if kx.shape[1] > 1 else 0], start, bkv).T
+                for qx, kx in zip(qs, k_parts)) * scale
+        q_pos = row_pos + np.arange(bq)[:, None]
+        k_pos = start - kv_start + np.arange(bkv)[None, :]
+        vis = np.asarray(mosaic.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
+                                             kv_len, block_kv=bkv))
+        if u_lo <= i < u_hi:
+          assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
+        vt = rows_of(v[:, kvh], start, bkv)
+        if start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
+          tail_rows = start + bkv - 8 + np.arange(8)
+          vt[bkv - 8:][tail_rows >= kv_end] = 0.0
+        s = np.where(vis, s, -np.inf)
+        m_new = np.maximum(m, s.max(axis=1))
+        p = np.where(np.isneginf(s), 0.0, np.exp(s - np.where(np.isneginf(m_new), 0,
+                                                                m_new)[:, None]))
+        alpha = np.where(np.isneginf(m), 0.0, np.exp(m - np.where(np.isneginf(m_new), 0,
+                                                                    m_new)))
+        acc = acc * alpha[:, None] + p @ vt
+        l = l * alpha + p.sum(axis=1)
+        m = m_new
+      seen = l > 0
+      o = acc / np.where(seen, l, 1.0)[:, None]
+      out[row + first:row + first + n_rows, h] = o[stored]
+      written[row + first:row + first + n_rows, h] += 1
+      lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), ragged.EMPTY_ROW_LSE)
+      lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
   lse = lse_buf[:, lse_slot].T
   last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
@@ -157,11 +164,12 @@ def test_work_list_covers_garbage_offsets_once():
   for _ in range(20):
     total = int(rng.integers(1, 500))
     off = jnp.asarray(rng.integers(-50, total + 50, size=int(rng.integers(2, 9))), jnp.int32)
-    table, slot, _ = mosaic.work_list(off, None, total, total, mask=masks.CausalMask(),
-                                      block_q=64, block_kv=128)
+    table, slot, _, n_live = mosaic.work_list(off, None, total, total,
+                                              mask=masks.CausalMask(), block_q=64,
+                                              block_kv=128)
     table = np.asarray(table)
     covered = np.zeros(total, int)
-    for t in table:
+    for t in table[:int(n_live)]:  # the items the kernel runs
       for g in range(2):
         row = (t[mosaic._ROW8] + g * 8) * 8
         first = np.clip(t[mosaic._Q_START] - row, 0, 64)
@@ -174,10 +182,24 @@ def test_work_list_covers_garbage_offsets_once():
 
 def test_items_are_heaviest_first():
   off = jnp.asarray([0, 10, 4000, 4100, 8000], jnp.int32)
-  table, _, _ = mosaic.work_list(off, None, 8000, 8000, mask=masks.CausalMask(), block_q=64,
-                              block_kv=128)
-  steps = np.asarray(table[:, mosaic._T_HI] - table[:, mosaic._T_LO])
+  table, _, _, n_live = mosaic.work_list(off, None, 8000, 8000, mask=masks.CausalMask(),
+                                         block_q=64, block_kv=128)
+  steps = np.asarray(table[:int(n_live), mosaic._T_HI] - table[:int(n_live), mosaic._T_LO])
   assert (np.diff(steps) <= 0).all() and steps[0] > steps[-1]
+  # The rest store no rows: the kernel never runs them.
+  assert int(n_live) < table.shape[0]
+  assert not np.asarray(table[int(n_live):, mosaic._Q_LEN]).any()
+
+
+@pytest.mark.parametrize("num_units,programs", [(0, 3), (1, 132), (7, 3), (4096, 132),
+                                                (1000, 7)])
+def test_programs_share_out_every_unit_once(num_units, programs):
+  heads = 8
+  got = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
+         for p in range(programs)
+         for k in range(int(mosaic.num_local_units(p, programs, num_units)))]
+  want = [(u % heads, u // heads) for u in range(num_units)]
+  assert sorted(got) == sorted(want)
 
 
 def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
@@ -219,7 +241,8 @@ def test_backend_argument_errors():
                    config=pp.MhaConfig(), interpret=False)
   with pytest.raises(TypeError, match="MhaConfig"):
     pp.mha_prefill(*args, max_prompt_len=256, config=pp.MosaicConfig())
-  for bad in (dict(block_q=128), dict(block_kv=32), dict(num_stages=1)):
+  for bad in (dict(block_q=128), dict(block_kv=32), dict(num_stages=1),
+              dict(num_programs=0), dict(num_programs=True)):
     with pytest.raises(ValueError, match="MosaicConfig"):
       pp.MosaicConfig(**bad)
 
