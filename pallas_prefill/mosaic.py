@@ -150,7 +150,10 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   tiles = jnp.where(q_len > 0, (q_end - q_first + rows - 1) // rows, 0)
   first = jnp.cumsum(tiles) - tiles
   item = jnp.arange(num_items, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(first + tiles, item, side="right"), 0, batch).astype(
+  # No method="scan" (the default): its loop is an XLA while loop, and on a GPU each of
+  # its trips waits for the host (0.3 ms a call was measured).
+  seq = jnp.clip(jnp.searchsorted(first + tiles, item, side="right",
+                                  method="scan_unrolled"), 0, batch).astype(
       jnp.int32)
   live = item < (first + tiles)[-1]
   take = lambda x: jnp.where(live, x[seq], 0)  # noqa: E731
@@ -200,7 +203,8 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   key = jnp.where(stores, first_stored, total_q)
   by_row = jnp.argsort(key, stable=True)
   r = jnp.arange(total_q, dtype=jnp.int32)
-  k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right") - 1, 0, num_items - 1)]
+  k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right", method="scan_unrolled")
+                      - 1, 0, num_items - 1)]
   return table, k * rows + (r - t_row[k]), kv_tail, jnp.sum(stores, dtype=jnp.int32)
 
 
@@ -510,12 +514,13 @@ def padded_rows(rows: int, tile: int) -> int:
   return max(-(-rows // 8) * 8, tile)
 
 
-def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
-                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
-  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
-  None); arguments and results as ``ragged.ragged_attention``'s."""
+def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
+             config: MosaicConfig):
+  """The XLA work before the kernel: its operands (the work list, the scalars, the sink
+  weights if any, Q, K, V and ``v_tail``) and, with ``return_lse``, each output row's LSE
+  slot. Arguments as ``ragged_attention_mgpu``'s."""
   total_q, num_heads, _ = q_ops[0].shape
-  total_kv, num_kv_heads, v_depth = v.shape
+  total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
   rows = COMPUTE_WGS * config.block_q
   num_items = num_work_items(total_q, batch, config.block_q)
@@ -537,18 +542,29 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)
   kv_rows = padded_rows(total_kv, config.block_kv)
-  q_ops = [grow(x, q_rows) for x in q_ops]
-  k_ops = [grow(x, kv_rows) for x in k_ops]
-  v = grow(v, kv_rows)
+  inputs = [table, scalars]
+  inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
+  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
+  inputs += [grow(v, kv_rows), v_tail]
+  return inputs, (lse_slot if return_lse else None)
+
+
+def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
+  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
+  None); arguments and results as ``ragged.ragged_attention``'s."""
+  total_q, num_heads, _ = q_ops[0].shape
+  num_kv_heads, v_depth = v.shape[1:]
+  rows = COMPUTE_WGS * config.block_q
+  num_items = num_work_items(total_q, q_offsets.shape[0] - 1, config.block_q)
+  inputs, lse_slot = operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights,
+                              mask=mask, return_lse=return_lse, config=config)
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
       out_dtype=jnp.dtype(output_dtype))
-  inputs = [table, scalars]
-  inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
-  inputs += [*q_ops, *k_ops, v, v_tail]
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))

@@ -73,7 +73,8 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   offsets = input_row_offsets.astype(jnp.int32)
   batch = offsets.shape[0] - 1
   rows = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1,
+  seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right", method="scan_unrolled")
+                 .astype(jnp.int32) - 1,
                  0, batch - 1)
   in_seq = (rows >= offsets[0]) & (rows < offsets[-1])
   pos = cache_lengths.astype(jnp.int32)[seq] + rows - offsets[seq]

@@ -95,7 +95,8 @@ def test_mosaic_few_programs(case, programs):
   """A few persistent programs, so that each runs many (head, item) units back to back:
   K/V slots, barrier phases, the Q buffer and the output stores carried from one item to
   the next, items with no KV tiles among them."""
-  case = dataclasses.replace(case, config=pp.MosaicConfig(num_programs=programs))
+  tiles = dict(block_kv=64, num_stages=3) if case.kind == "mla" else {}  # MLA's defaults
+  case = dataclasses.replace(case, config=pp.MosaicConfig(**tiles, num_programs=programs))
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
