@@ -57,9 +57,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several).
   programs = 5
-  group = heads // kv_heads
-  units = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_items=int(n_live),
-                                                     group=group))
+  units = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
            for p in range(programs)
            for k in range(int(mosaic.num_local_units(p, programs, int(n_live) * heads)))]
   assert sorted(units) == [(h, w) for h in range(heads) for w in range(int(n_live))]
@@ -182,39 +180,38 @@ def test_work_list_covers_garbage_offsets_once():
     assert np.asarray(slot).shape == (total,)
 
 
-def test_item_order():
-  """A sequence's items side by side, heaviest sequences first and heaviest items first
-  within one; the items that store no rows last."""
+def test_items_are_heaviest_first():
   off = jnp.asarray([0, 10, 4000, 4100, 8000], jnp.int32)
   table, _, _, n_live = mosaic.work_list(off, None, 8000, 8000, mask=masks.CausalMask(),
                                          block_q=64, block_kv=128)
-  live = np.asarray(table[:int(n_live)])
-  steps = live[:, mosaic._T_HI] - live[:, mosaic._T_LO]
-  seq = live[:, mosaic._Q_START]
-  runs = [0] + [i for i in range(1, len(seq)) if seq[i] != seq[i - 1]] + [len(seq)]
-  assert len(runs) - 1 == 4  # one run per sequence
-  weights = [steps[a:b].sum() for a, b in zip(runs, runs[1:])]
-  assert weights == sorted(weights, reverse=True) and weights[0] > weights[-1]
-  for a, b in zip(runs, runs[1:]):
-    assert (np.diff(steps[a:b]) <= 0).all()
+  steps = np.asarray(table[:int(n_live), mosaic._T_HI] - table[:int(n_live), mosaic._T_LO])
+  assert (np.diff(steps) <= 0).all() and steps[0] > steps[-1]
+  # The rest store no rows: the kernel never runs them.
   assert int(n_live) < table.shape[0]
   assert not np.asarray(table[int(n_live):, mosaic._Q_LEN]).any()
 
 
-@pytest.mark.parametrize("items,heads,group,programs", [
-    (0, 8, 4, 3), (1, 1, 1, 132), (7, 8, 1, 3), (128, 32, 4, 132), (125, 8, 8, 7)])
-def test_programs_share_out_every_unit_once(items, heads, group, programs):
-  got = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_items=items,
-                                                   group=group))
+@pytest.mark.parametrize("num_units,heads,programs", [
+    (0, 8, 3), (1, 1, 132), (7, 8, 3), (4096, 32, 132), (1000, 8, 7), (264, 8, 132),
+    (265, 8, 132)])
+def test_programs_share_out_every_unit_once(num_units, heads, programs):
+  got = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
          for p in range(programs)
-         for k in range(int(mosaic.num_local_units(p, programs, items * heads)))]
-  assert sorted(got) == [(h, w) for h in range(heads) for w in range(items)]
-  if items > 1:  # side by side: the heads of a group, then the next item's
-    first = [tuple(int(x) for x in mosaic.program_unit(u % programs, programs,
-                                                       u // programs, num_items=items,
-                                                       group=group))
-             for u in range(group + 1)]
-    assert first == [(g, 0) for g in range(group)] + [(0, 1)]
+         for k in range(int(mosaic.num_local_units(p, programs, num_units)))]
+  assert sorted(got, key=lambda hw: hw[1] * heads + hw[0]) == [
+      (u % heads, u // heads) for u in range(num_units)]
+
+
+def test_zigzag_balances_heaviest_first_units():
+  """Units of falling weight: every program's share within 2 % of the mean (plain round
+  robin gives the first programs the most)."""
+  programs, weights = 132, np.linspace(100, 1, 4096 * 4)
+  load = np.zeros(programs)
+  for p in range(programs):
+    for k in range(int(mosaic.num_local_units(p, programs, len(weights)))):
+      h, w = mosaic.program_unit(p, programs, k, num_heads=4)
+      load[p] += weights[int(w) * 4 + int(h)]
+  assert load.max() / load.mean() < 1.02
 
 
 def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
