@@ -7,7 +7,8 @@ timing): the whole ``backend="mosaic_gpu"`` call; the work list alone
 (``mosaic.work_list``); all the XLA work before the kernel (``mosaic.operands``: the work
 list, ``v_tail``, and the copies that give Q, K and V rows in multiples of 8 when they
 have other row counts); and the Triton call for scale. The kernel's own share is the
-whole call less the XLA work (the kernel waits for it). Writes DIR/breakdown.json and prints a table.
+whole call less the XLA work (the kernel waits for it). Writes DIR/breakdown.json and
+prints a table.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def xla_parts(problem: sy.Problem, config: pp.MosaicConfig):
 
   @jax.jit
   def operands(q, kv, q_off, kv_off):
-    return mosaic.operands([q], list(kv[:-1]), kv[-1], q_off, kv_off, None, mask=w.mask,
-                           return_lse=False, config=config)[0]
+    inputs = mosaic.operands([q], list(kv[:-1]), kv[-1], q_off, kv_off, None, mask=w.mask,
+                             return_lse=False, config=config)[0]
+    # Not the operands passed through unchanged: a jit returning its argument copies it.
+    return [x for x in inputs if all(x is not y for y in (q, *kv))]
 
   return work_list, operands
 

@@ -34,7 +34,11 @@ SWEEP = [pp.MhaConfig(bq, bk, w, s) for bq, bk, w, s in itertools.product(
 # 32-row query tiles waste fewer rows at the end of short prompts (short64 wastes about
 # 12 % of its rows in 64-row tiles); not measured yet.
 SWEEP += [pp.MhaConfig(32, bk, 4, s) for bk, s in itertools.product((32, 64), (2, 3))]
-MOSAIC_SWEEP = [pp.MosaicConfig(64, bk, s) for bk, s in ((128, 2), (64, 2), (64, 3), (64, 4))]
+# num_programs: None is the persistent kernel (one program per SM); ONE_UNIT_EACH gives
+# every (head, item) unit its own program, scheduled by the GPU.
+ONE_UNIT_EACH = 2**31 - 1
+MOSAIC_SWEEP = [pp.MosaicConfig(64, bk, s, n) for bk, s in ((128, 2), (64, 2), (64, 3), (64, 4))
+                for n in (None, ONE_UNIT_EACH)]
 CLASSES = {False: ("short64",), True: ("equal4x4096", "skew16_16k")}  # long prompts?
 DEPTHS = {"mha": (sy.MHA_SHAPE["qk"], sy.MHA_SHAPE["v"]),
           "mla": (sy.MLA_SHAPE["nope"] + sy.MLA_SHAPE["rope"], sy.MLA_SHAPE["v"])}
@@ -75,7 +79,7 @@ sweeps", says where each entry was measured.
 
 MOSAIC_HEADER = '''
 # backend="mosaic_gpu": device kind -> {key as above: (block_q, block_kv, num_stages,
-# faster than Triton)}; the last field is what backend="auto" follows.'''
+# num_programs, faster than Triton)}; the last field is what backend="auto" follows.'''
 
 
 def _table_lines(name, table):
@@ -121,7 +125,7 @@ def main(argv=None):
                                  config_lib.LONG_PROMPT + 1 if long else 1)
       if mosaic:  # the entry also says whether it beat the Triton default ("auto")
         triton = candidate_tflops(kind, names, None, "triton") or 0.0
-        entry = (cfg.block_q, cfg.block_kv, cfg.num_stages, best > triton)
+        entry = (cfg.block_q, cfg.block_kv, cfg.num_stages, cfg.num_programs, best > triton)
         versus = f", Triton default {triton:.1f}"
       else:
         entry, versus = (cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.num_stages), ""

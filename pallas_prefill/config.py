@@ -51,7 +51,9 @@ class MosaicConfig:
     block_kv: key/value rows per pipeline stage: 64 or 128.
     num_stages: K/V shared-memory slots the producer warpgroup fills ahead (>= 2).
     num_programs: the persistent kernel's programs (each runs a share of the (head, work
-      item) units, one after another); None: one per SM of the GPU.
+      item) units, one after another); None: one per SM of the GPU. As many as there are
+      units (any larger number) gives each program one unit and leaves the scheduling
+      to the GPU, as the kernel did before it was persistent.
   """
 
   block_q: int = 64
@@ -114,7 +116,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   would not fit shared memory twice over (MLA's 192 + 128)."""
   tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
   if tuned is not None:
-    return MosaicConfig(*tuned[:3])
+    return MosaicConfig(*tuned[:4])
   if (qk_depth + v_depth) * jnp.dtype(dtype).itemsize * 128 * 2 > 128 * 1024:
     return MosaicConfig(block_kv=64, num_stages=3)
   return MosaicConfig(block_kv=128, num_stages=2)
@@ -124,7 +126,7 @@ def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   """Whether ``backend="auto"`` picks Mosaic GPU: the tuned table's verdict for the device
   (the last field of an entry: measured faster than Triton on the H200)."""
   tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
-  return tuned is not None and tuned[3]
+  return tuned is not None and tuned[4]
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

@@ -4,7 +4,11 @@ The structure is FlashAttention-3's, as in JAX's dense ``ops/gpu/attention_mgpu.
 program two compute warpgroups, each with ``block_q`` query rows, and one producer
 warpgroup that streams K/V tiles through ``num_stages`` shared-memory slots with TMA; the
 two compute warpgroups take turns on the tensor cores (a schedule barrier), so that one's
-softmax overlaps the other's matrix products.
+softmax overlaps the other's matrix products. The kernel is persistent, as FA3's is: one
+program per SM runs its share of the (head, work item) units back to back, the K/V slots
+and barrier phases carried from one unit to the next, so that the producer streams the
+next unit's first tiles and each compute warpgroup loads its next Q while the last unit
+is finished and written out (``program_unit`` deals the units out).
 
 The ragged parts, which the dense kernel has none of:
 
@@ -13,7 +17,8 @@ The ragged parts, which the dense kernel has none of:
   past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for
   the whole item, and per warpgroup: first, first unmasked, end of unmasked, end) are
   read by the kernel from a small int32 table, so the three warpgroups agree on every
-  trip count, zero included. The grid is ``(num_heads, work items)``.
+  trip count, zero included. Only the items that store rows run (a scalar operand holds
+  their number); the table's other items, there because its size is static, do not.
 - TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
   arrays whose row count is one: an item starts at its sequence's first row rounded down
   to 8, and the rows before it (a neighbour's) and past the sequence are computed and

@@ -16,12 +16,12 @@ TUNED = {
 }
 
 # backend="mosaic_gpu": device kind -> {key as above: (block_q, block_kv, num_stages,
-# faster than Triton)}; the last field is what backend="auto" follows.
+# num_programs, faster than Triton)}; the last field is what backend="auto" follows.
 TUNED_MOSAIC = {
     "NVIDIA H200": {
-        (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, False),
-        (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, True),
-        (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, False),
-        (192, 128, "bfloat16", "CausalMask", True): (64, 64, 3, True),
+        (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, False),
+        (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),
+        (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, None, False),
+        (192, 128, "bfloat16", "CausalMask", True): (64, 64, 3, None, True),
     },
 }
