@@ -304,13 +304,15 @@ class Lowered:
   sink: bool = False
   lse: bool = False
   output_dtype: str | None = None
+  config: pp.MosaicConfig | None = None
 
   def lower(self):
     dt, s = jnp.dtype(self.dtype), jax.ShapeDtypeStruct
     kv_rows = self.total_kv or self.total_q
     off = s((6,), jnp.int32)
     kw = dict(max_prompt_len=512, mask=self.mask, return_lse=self.lse,
-              output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu")
+              output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu",
+              config=self.config)
     kv_off = off if self.total_kv else None
     if self.kind == "mha":
       def fn(q, k, v, o, ko, sw):
@@ -342,6 +344,9 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, output_dtype="float32",
             lse=True, mask=masks.SlidingWindowCausalMask(300)),
+    # One persistent program; one unit per program (the GPU schedules them).
+    Lowered(lse=True, sink=True, config=pp.MosaicConfig(num_programs=1)),
+    Lowered(config=pp.MosaicConfig(block_kv=64, num_stages=3, num_programs=2**31 - 1)),
 ]
 
 
