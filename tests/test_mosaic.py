@@ -157,6 +157,47 @@ def test_schedule_matches_reference(case):
   assert not out[last_row:].any(), tag
 
 
+def random_case(rng) -> tuple[cases.Case, pp.MosaicConfig]:
+  """A small random batch for the emulator: lengths from empty to a few tiles, K/V offsets
+  (cached prefixes, shorter K/V too) or not, any mask, sinks, LSE, MHA or MLA."""
+  batch = int(rng.integers(1, 7))
+  lens = tuple(int(x) for x in rng.choice([0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 200,
+                                           300], size=batch))
+  kv_lens = None
+  if rng.random() < 0.5:
+    kv_lens = tuple(int(max(q + rng.integers(-20, 300), 0)) for q in lens)
+  mask = [masks.CausalMask(), masks.NullMask(),
+          masks.SlidingWindowCausalMask(int(rng.integers(1, 300))),
+          masks.ChunkedCausalMask(int(rng.choice([8, 64, 100, 256])))][int(rng.integers(4))]
+  kind = "mla" if rng.random() < 0.25 else "mha"
+  heads, kv_heads = [(4, 2), (2, 2), (4, 1)][int(rng.integers(3))]
+  if kind == "mla":
+    kv_heads = heads
+  case = cases.Case(kind=kind, lens=lens, kv_lens=kv_lens, mask=mask, heads=heads,
+                    kv_heads=kv_heads, head_dim=64, rope_dim=64,
+                    sink=kind == "mha" and bool(rng.random() < 0.3),
+                    lse=True, extra_rows=int(rng.integers(0, 20)), config=None)
+  return case, pp.MosaicConfig(block_kv=int(rng.choice([64, 128])))
+
+
+def test_schedule_matches_reference_on_random_batches():
+  """Fresh random batches each run (the seed is in the message on failure)."""
+  seed = cases.fresh_seed()
+  rng = np.random.default_rng(seed)
+  for _ in range(6):
+    case, config = random_case(rng)
+    args, kwargs, last_row = cases.make_inputs(case, int(rng.integers(2**31)))
+    out, lse = emulate(case, args, kwargs, config)
+    _, reference = cases.ENTRY_POINTS[case.kind]
+    ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True,
+                                               output_dtype=jnp.float32))
+    tag = f"seed={seed} {case.name} {config}"
+    assert np.isfinite(out).all(), tag
+    assert cases.rel_err(out, ref_out) < 1e-4, tag
+    np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
+    assert not out[last_row:].any(), tag
+
+
 def test_work_list_covers_garbage_offsets_once():
   """Any offsets (jit gives no validation) give items whose stored rows cover every row
   exactly once, and no negative TMA row."""
