@@ -341,11 +341,7 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
         v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
                                      paged is not None, mosaic_config)
-  if backend == "mosaic_gpu":
-    if interpret:  # interpret=None on a CPU-only machine
-      raise ValueError("backend='mosaic_gpu' has no interpret mode, which interpret=None "
-                       "picks on the CPU: run it on a Hopper GPU, or use backend='triton' "
-                       "or 'auto' here")
+  if backend == "mosaic_gpu":  # validation refused interpret mode
     if reason is not None:
       raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
     return mosaic_config

@@ -88,12 +88,15 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
                                                    "an MhaConfig or a MosaicConfig")
     raise TypeError(f"config must be {want} or None for backend={backend!r}, got "
                     f"{config!r}")
-  if backend == "mosaic_gpu" and interpret:
-    raise ValueError("backend='mosaic_gpu' has no interpret mode (Mosaic GPU's interpreter "
-                     "cannot run its register-operand matrix products); use "
-                     "backend='triton' or 'auto' for interpret mode")
   if interpret not in (None, True, False):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
+  # interpret=None means interpret mode exactly on the CPU backend (ragged.static_options).
+  if backend == "mosaic_gpu" and (jax.default_backend() == "cpu" if interpret is None
+                                  else interpret):
+    raise ValueError("backend='mosaic_gpu' has no interpret mode (Mosaic GPU's interpreter "
+                     "cannot run its register-operand matrix products), which interpret="
+                     f"{interpret} picks here: run it on a Hopper GPU, or use "
+                     "backend='triton' or 'auto' for interpret mode")
 
 
 def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
