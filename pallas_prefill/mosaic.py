@@ -64,9 +64,15 @@ COMPUTE_WGS = 2
 (_Q_START, _Q_LEN, _KV_START, _KV_LEN, _ROW8, _KV_ROW8, _KV_LAST8, _T_LO, _T_HI) = range(9)
 _WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
 _META_COLS = _WG_COLS + 4 * COMPUTE_WGS
-# The kernel's scalar operand: the items to run (those that store rows) and the 8-row
-# group of the batch's last key (the one that comes from ``v_tail``).
-_S_LIVE, _S_TAIL8 = range(2)
+# The kernel's scalar operand: the items to run (those that store rows), the 8-row group
+# of the batch's last key (the one that comes from ``v_tail``) and the order of the units
+# (1: K/V-head-major, ``head_major_order``).
+_S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
+# ``head_major_order``: a unit costs its KV tiles plus about one tile of its own (the Q
+# load, the pipeline's fill and the stores), and the K/V-head-major order is taken when
+# its busiest program has at most this much more work than the item-major order's.
+UNIT_COST_TILES = 1
+HEAD_MAJOR_SLACK = 1.05
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -252,18 +258,64 @@ def visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len, *, block_kv):
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
-def program_unit(program, num_programs, k, *, num_heads):
+def _dealt_unit(program, num_programs, k):
+  """The unit u that program `program` runs k-th: units are dealt out row by row,
+  num_programs to a row, in a zigzag (program p takes unit p of even rows and unit
+  num_programs - 1 - p of odd ones)."""
+  return k * num_programs + jnp.where(lax.rem(k, 2) == 0, program, num_programs - 1 - program)
+
+
+def program_unit(program, num_programs, k, *, num_heads, group, n_live, head_major):
   """The (head, item) of program `program`'s k-th unit of work.
 
-  Units u = item * num_heads + head (an item's heads side by side: the heads of a group
-  share its K/V rows in L2) are dealt out row by row, num_programs to a row, in a zigzag:
-  program p takes unit p of even rows and unit num_programs - 1 - p of odd ones. Items
-  come heaviest first, so each program's pairs of rows add up to about the same work
-  (simulated with ``work_list``'s tiles on the harness's workloads: the busiest program
-  1.03 to 1.06x the mean with plain round robin, 1.00 to 1.02x with the zigzag).
+  The units, (head, item) pairs over the ``n_live`` items that run, are dealt out in a
+  zigzag (``_dealt_unit``) in one of two orders, ``head_major`` (a traced flag,
+  ``head_major_order``) picking:
+
+  - item-major, u = item * num_heads + head: an item's heads side by side, so that the
+    heads of a K/V group share its rows in L2. Items come heaviest first, so each
+    program's pairs of rows add up to about the same work (simulated with ``work_list``'s
+    tiles on the harness's workloads: the busiest program 1.00 to 1.02x the mean; plain
+    round robin 1.03 to 1.06x).
+  - K/V-head-major, u = (kv_head * n_live + item) * group + head of group: the programs
+    running together work on many items of a few K/V heads and share their sequences' K/V
+    rows in L2, which MLA (a K/V head per query head) needs (+10 % on equal4x4096). Its
+    balance depends on how n_live * group falls on the rows, hence the choice per call.
   """
-  unit = k * num_programs + jnp.where(lax.rem(k, 2) == 0, program, num_programs - 1 - program)
-  return lax.rem(unit, jnp.int32(num_heads)), lax.div(unit, jnp.int32(num_heads))
+  unit = _dealt_unit(program, num_programs, k)
+  heads = jnp.int32(num_heads)
+  per_kv_head = jnp.maximum(n_live * group, 1)
+  rest = lax.rem(unit, per_kv_head)
+  by_kv_head = (lax.div(unit, per_kv_head) * group + lax.rem(rest, jnp.int32(group)),
+                lax.div(rest, jnp.int32(group)))
+  by_item = (lax.rem(unit, heads), lax.div(unit, heads))
+  return tuple(jnp.where(head_major != 0, a, b) for a, b in zip(by_kv_head, by_item))
+
+
+def program_loads(unit_costs, num_programs):
+  """Each program's summed cost of the units (in order u = 0, 1, ...) it is dealt."""
+  rows = -(-unit_costs.shape[0] // num_programs)
+  costs = jnp.pad(unit_costs, (0, rows * num_programs - unit_costs.shape[0]))
+  costs = costs.reshape(rows, num_programs)
+  odd = (jnp.arange(rows) % 2 == 1)[:, None]
+  return jnp.where(odd, costs[:, ::-1], costs).sum(axis=0)
+
+
+def head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
+  """Whether the units run K/V-head-major (``program_unit``): 1 when that order's busiest
+  program, by the items' KV tiles, has at most ``HEAD_MAJOR_SLACK`` times the work of the
+  item-major order's busiest program, else 0 (an int32 scalar, computed in XLA).
+
+  item_tiles: [num_items] KV tiles of each item in table order (items past n_live do not
+  run)."""
+  items = item_tiles.shape[0]
+  cost = jnp.where(jnp.arange(items) < n_live, item_tiles + UNIT_COST_TILES, 0)
+  by_item = jnp.repeat(cost, num_heads)
+  u = jnp.arange(num_heads * items, dtype=jnp.int32)
+  rest = u % jnp.maximum(n_live * group, 1)
+  by_kv_head = jnp.where(u < n_live * num_heads, cost[rest // group], 0)
+  worst = lambda c: program_loads(c.astype(jnp.float32), num_programs).max()  # noqa: E731
+  return (worst(by_kv_head) <= HEAD_MAJOR_SLACK * worst(by_item)).astype(jnp.int32)
 
 
 def num_local_units(program, num_programs, num_units):
@@ -322,7 +374,8 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
            v_used, schedule):
     wg = lax.axis_index("wg")
     units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
-                              num_heads=num_heads)
+                              num_heads=num_heads, group=group, n_live=scalar_ref[_S_LIVE],
+                              head_major=scalar_ref[_S_HEAD_MAJOR])
     n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"),
                               scalar_ref[_S_LIVE] * num_heads)
 
@@ -546,7 +599,11 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   table, lse_slot, kv_end, n_live = work_list(
       q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
       block_kv=config.block_kv)
-  scalars = jnp.stack([n_live, _floor8(kv_end) // 8]).astype(jnp.int32)
+  head_major = head_major_order(
+      table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
+      group=num_heads // v.shape[1],
+      num_programs=num_programs(num_heads * num_items, config))
+  scalars = jnp.stack([n_live, _floor8(kv_end) // 8, head_major]).astype(jnp.int32)
   # The 8-row group holding the last key, rows past it zeroed.
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],

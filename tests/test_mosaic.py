@@ -27,6 +27,7 @@ import pytest
 
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
+from benchmarks import workloads as benchmark_workloads
 from pallas_prefill import masks, mosaic, ragged
 from tests import cases
 
@@ -55,12 +56,12 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
                                                      mask=mask, block_q=bq, block_kv=bkv)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
-  # each runs several).
+  # each runs several), in the order the call picks.
   programs = 5
-  units = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
-           for p in range(programs)
-           for k in range(int(mosaic.num_local_units(p, programs, int(n_live) * heads)))]
-  assert sorted(units) == [(h, w) for h in range(heads) for w in range(int(n_live))]
+  head_major = mosaic.head_major_order(
+      table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=heads,
+      group=heads // kv_heads, num_programs=programs)
+  units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major)
 
   def rows_of(x, start, n):
     """Rows [start, start + n) of x, zeros outside it (TMA's out-of-bounds fill)."""
@@ -230,15 +231,33 @@ def test_items_are_heaviest_first():
   assert not np.asarray(table[int(n_live):, mosaic._Q_LEN]).any()
 
 
-@pytest.mark.parametrize("num_units,heads,programs", [
-    (0, 8, 3), (1, 1, 132), (7, 8, 3), (4096, 32, 132), (1000, 8, 7), (264, 8, 132),
-    (265, 8, 132)])
-def test_programs_share_out_every_unit_once(num_units, heads, programs):
-  got = [tuple(int(x) for x in mosaic.program_unit(p, programs, k, num_heads=heads))
-         for p in range(programs)
-         for k in range(int(mosaic.num_local_units(p, programs, num_units)))]
-  assert sorted(got, key=lambda hw: hw[1] * heads + hw[0]) == [
-      (u % heads, u // heads) for u in range(num_units)]
+def program_units(programs, n_live, heads, group, head_major):
+  """Every program's (head, item) units in the order it runs them, checked to cover each
+  unit once."""
+  units = [tuple(int(x) for x in mosaic.program_unit(
+      p, programs, k, num_heads=heads, group=group, n_live=jnp.int32(n_live),
+      head_major=jnp.int32(head_major)))
+           for p in range(programs)
+           for k in range(int(mosaic.num_local_units(p, programs, n_live * heads)))]
+  assert sorted(units) == [(h, w) for h in range(heads) for w in range(n_live)]
+  return units
+
+
+@pytest.mark.parametrize("n_live,heads,group,programs", [
+    (0, 8, 1, 3), (1, 1, 1, 132), (7, 1, 1, 3), (128, 32, 4, 132), (125, 8, 8, 7),
+    (33, 8, 2, 132), (265, 1, 1, 132), (3, 128, 1, 132)])
+@pytest.mark.parametrize("head_major", [0, 1])
+def test_programs_share_out_every_unit_once(n_live, heads, group, programs, head_major):
+  program_units(programs, n_live, heads, group, head_major)
+  # What the programs run first, together: K/V-head-major, the items of one K/V head when
+  # it has a unit for each program; item-major, the heads of the first items.
+  first = [tuple(int(x) for x in mosaic.program_unit(
+      p, programs, 0, num_heads=heads, group=group, n_live=jnp.int32(n_live),
+      head_major=jnp.int32(head_major))) for p in range(min(programs, n_live * heads))]
+  if head_major and n_live * group >= programs:
+    assert {h // group for h, _ in first} == {0}
+  if not head_major:
+    assert {w for _, w in first} == set(range(-(-len(first) // heads)))
 
 
 def test_zigzag_balances_heaviest_first_units():
@@ -248,9 +267,41 @@ def test_zigzag_balances_heaviest_first_units():
   load = np.zeros(programs)
   for p in range(programs):
     for k in range(int(mosaic.num_local_units(p, programs, len(weights)))):
-      h, w = mosaic.program_unit(p, programs, k, num_heads=4)
-      load[p] += weights[int(w) * 4 + int(h)]
+      u = mosaic._dealt_unit(p, programs, k)
+      load[p] += weights[int(u)]
   assert load.max() / load.mean() < 1.02
+  assert np.allclose(mosaic.program_loads(jnp.asarray(weights, jnp.float32), programs), load,
+                     rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,name,head_major", [
+    ("mla", "equal4x4096", 1), ("mla", "skew16_16k", 1), ("mla", "short64", 1),
+    ("mha", "equal4x4096", 0), ("mha", "skew16_16k", 0)])
+def test_head_major_order_where_it_balances(kind, name, head_major):
+  """The order each harness workload gets on 132 programs, and the balance behind it:
+  K/V-head-major where it deals out the tiles within HEAD_MAJOR_SLACK of item-major."""
+  w = benchmark_workloads.WORKLOADS[name]
+  heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
+  off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
+  total = int(off[-1])
+  table, _, _, n_live = mosaic.work_list(off, None, total, total, mask=w.mask, block_q=64,
+                                         block_kv=block_kv)
+  tiles = np.asarray(table[:, mosaic._T_HI] - table[:, mosaic._T_LO])
+  got = int(mosaic.head_major_order(jnp.asarray(tiles), n_live, num_heads=heads,
+                                    group=group, num_programs=132))
+  assert got == head_major
+  n = int(n_live)
+  cost = np.where(np.arange(len(tiles)) < n, tiles + mosaic.UNIT_COST_TILES, 0)
+  counts = [int(mosaic.num_local_units(p, 132, n * heads)) for p in range(132)]
+  p = jnp.asarray(np.repeat(np.arange(132), counts), jnp.int32)
+  k = jnp.asarray(np.concatenate([np.arange(c) for c in counts]), jnp.int32)
+  worst = {}
+  for order in (0, 1):
+    unit = functools.partial(mosaic.program_unit, num_programs=132, num_heads=heads,
+                             group=group, n_live=jnp.int32(n), head_major=jnp.int32(order))
+    _, item = jax.vmap(lambda p, k: unit(p, k=k))(p, k)  # noqa: B023
+    worst[order] = np.bincount(np.asarray(p), weights=cost[np.asarray(item)]).max()
+  assert (worst[1] <= mosaic.HEAD_MAJOR_SLACK * worst[0]) == bool(head_major)
 
 
 def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
