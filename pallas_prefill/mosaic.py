@@ -8,7 +8,8 @@ softmax overlaps the other's matrix products. The kernel is persistent, as FA3's
 program per SM runs its share of the (head, work item) units back to back, the K/V slots
 and barrier phases carried from one unit to the next, so that the producer streams the
 next unit's first tiles and each compute warpgroup loads its next Q while the last unit
-is finished and written out (``program_unit`` deals the units out).
+is finished and written out. ``program_unit`` deals the units out, item-major or, where
+that balances as well (``head_major_order``, per call), K/V-head-major for L2 reuse.
 
 The ragged parts, which the dense kernel has none of:
 
