@@ -21,9 +21,12 @@ The ragged parts, which the dense kernel has none of:
   trip count, zero included. Only the items that store rows run (a scalar operand holds
   their number); the table's other items, there because its size is static, do not.
 - TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
-  arrays whose row count is one: an item starts at its sequence's first row rounded down
-  to 8, and the rows before it (a neighbour's) and past the sequence are computed and
-  never stored; operands of other row counts are copied with zero rows added.
+  arrays whose row count is one. Q and K avoid the second: they live in 64-column
+  buffers that TMA fills untiled, from any row of arrays of any row count, and that the
+  matrix products read through an (8, 64)-tiled view of the same bytes (a
+  ``plgpu.RefUnion``); only V of other row counts is copied with zero rows added. An
+  item starts at its sequence's first row rounded down to 8, and the rows before it (a
+  neighbour's) and past the sequence are computed and never stored.
 - KV tile i starts at the sequence's first key rounded down to 8, plus i * block_kv, but
   no later than ``max(ceil8(kv_end) - block_kv, 0)``: the last tile is shifted back to end
   in the 8-row group of the last key, so it reads no K/V row past that group. The keys it
@@ -74,6 +77,7 @@ _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
 # its busiest program has at most this much more work than the item-major order's.
 UNIT_COST_TILES = 1
 HEAD_MAJOR_SLACK = 1.05
+CHUNK = 64  # columns of the Q and K buffers (``column_chunks``)
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -117,6 +121,12 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, paged,
     return (f"{need} bytes of shared memory for {config} exceed {SMEM_BYTES}; "
             "use fewer stages or smaller tiles")
   return None
+
+
+def column_chunks(parts):
+  """The (part, first column) of each 64-column chunk of the logit parts: Q and K live in
+  shared memory as one buffer per chunk, which TMA fills from any row (``_kernel``)."""
+  return [(part, col) for part in parts for col in range(0, part.width, CHUNK)]
 
 
 def _floor8(x):
@@ -350,21 +360,28 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   lse_ref = refs[3] if has_lse else None
   v_depth = v_ref.shape[-1]
   dtype = v_ref.dtype
-  n_parts = len(parts)
+  chunks = column_chunks(parts)
 
   tiling = plgpu.TilingTransform((8, 64))
   swizzle = plgpu.SwizzleTransform(128)
   smem = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(tiling, swizzle))  # noqa: E731
+
+  def chunk_buffer(shape):
+    # Two views of one 64-column buffer: untiled, which TMA fills from any row of an
+    # array of any row count, and (8, 64)-tiled, which the matrix products read. At 64
+    # columns (128 swizzled bytes a row) both are the same bytes.
+    return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(swizzle,)), smem(shape, dtype))
+
   scratch = [
-      [smem((COMPUTE_WGS, block_q, p.width), dtype) for p in parts],
-      [smem((num_stages, block_kv, p.width), dtype) for p in parts],
+      [chunk_buffer((COMPUTE_WGS, block_q, CHUNK)) for _ in chunks],
+      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in chunks],
       smem((num_stages, block_kv, v_depth), dtype),
       plgpu.SMEM((COMPUTE_WGS, block_q, v_depth), out_dtype),
       plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
   ]
   barriers = [
-      plgpu.Barrier(num_arrivals=n_parts, num_barriers=COMPUTE_WGS),  # Q loaded
-      plgpu.Barrier(num_arrivals=n_parts, num_barriers=num_stages),  # K loaded
+      plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
+      plgpu.Barrier(num_arrivals=len(chunks), num_barriers=num_stages),  # K loaded
       plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # V loaded (two copies)
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
@@ -397,7 +414,8 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      q_smem = [s.at[wg] for s in q_smems]
+      q_fill = [fill.at[wg] for fill, _ in q_smems]
+      q_smem = [tiled.at[wg] for _, tiled in q_smems]
       o_smem = o_smem2.at[wg]
       lse_smem = lse_smem2.at[wg] if has_lse else None
 
@@ -405,9 +423,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         """TMA of local unit k's Q rows of this warpgroup (the Q buffer must be free)."""
         h, _, meta, _, _ = item_of(k)
         row = (meta(_ROW8) + wg * (block_q // 8)) * 8
-        for part, s in zip(parts, q_smem):
+        for (part, col), s in zip(chunks, q_fill):
           plgpu.copy_gmem_to_smem(
-              q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col, part.width)],
+              q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col + col, CHUNK)],
               s, q_bars.at[wg])
 
       pl.when(n_local > 0)(lambda: load_q(0))
@@ -452,7 +470,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           plgpu.barrier_wait(k_bars.at[slot(i)])
 
           def qk(acc_ref):
-            for qs, ks in zip(q_smem, k_smems):
+            for qs, (_, ks) in zip(q_smem, k_smems):
               plgpu.wgmma(acc_ref, qs, ks.at[slot(i)].transpose((1, 0)))
             sync()
             return acc_ref[...]
@@ -555,11 +573,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           def _():
             plgpu.barrier_wait(k_used.at[slot])
 
-          for part, ks in zip(parts, k_smems):
+          for (part, col), (ks, _) in zip(chunks, k_smems):
             k_head = 0 if part.shared_k else kv_head
             plgpu.copy_gmem_to_smem(
                 k_refs[part.k_index].at[pl.ds(start, block_kv), k_head,
-                                        pl.ds(part.k_col, part.width)],
+                                        pl.ds(part.k_col + col, CHUNK)],
                 ks.at[slot], k_bars.at[slot])
 
           @pl.when(reuse)
@@ -578,10 +596,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
 
-def padded_rows(rows: int, tile: int) -> int:
-  """The rows an operand of `rows` rows is given to the kernel with: a multiple of 8, at
-  least one tile. Operands that already have them are passed without a copy."""
-  return max(-(-rows // 8) * 8, tile)
+def padded_rows(rows: int, tile: int, *, tiled: bool) -> int:
+  """The rows an operand of `rows` rows is given to the kernel with: at least one tile,
+  and a multiple of 8 for an operand TMA copies into 8-row-tiled shared memory (V).
+  Operands that already have them are passed without a copy."""
+  return max(-(-rows // 8) * 8 if tiled else rows, tile)
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
@@ -609,17 +628,19 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
-  # TMA into 8-row-tiled shared memory takes GMEM arrays whose rows are a multiple of 8
-  # (and at least a tile): others are copied with zero rows added. The output is stored
-  # row-exact from untiled shared memory and needs no padding.
+  # TMA into 8-row-tiled shared memory takes GMEM arrays whose rows are a multiple of 8:
+  # V of other row counts is copied with zero rows added. Q and K go to untiled buffers
+  # (64-column chunks) and the output comes from one, so they need no padding beyond a
+  # tile's rows.
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  q_rows = padded_rows(total_q, config.block_q)
-  kv_rows = padded_rows(total_kv, config.block_kv)
+  q_rows = padded_rows(total_q, config.block_q, tiled=False)
+  k_rows = padded_rows(total_kv, config.block_kv, tiled=False)
+  v_rows = padded_rows(total_kv, config.block_kv, tiled=True)
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
-  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
-  inputs += [grow(v, kv_rows), v_tail]
+  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, k_rows) for x in k_ops]
+  inputs += [grow(v, v_rows), v_tail]
   return inputs, (lse_slot if return_lse else None)
 
 

@@ -455,6 +455,16 @@ def test_default_config_lowers(problem):
     assert out_info[1].shape == (problem.total_q, problem.heads)
 
 
+def test_only_v_is_copied_for_row_counts_not_multiples_of_8():
+  """Q and K reach the kernel as they are (TMA fills untiled 64-column buffers from any
+  row); V, which goes to 8-row-tiled buffers, is copied with its rows rounded up to 8."""
+  text = Lowered(total_q=1001, total_kv=1503).lower().as_text()
+  [call] = [line for line in text.splitlines() if f"custom_call @{MOSAIC_CALL}(" in line]
+  operand_types = call.rsplit(" : (", 1)[1].split(") -> ")[0]
+  assert "tensor<1001x8x128xbf16>, tensor<1503x2x128xbf16>, tensor<1504x2x128xbf16>" in (
+      operand_types)
+
+
 @pytest.mark.parametrize("max_prompt_len,dtype,expect", [
     (4096, "bfloat16", MOSAIC_CALL),  # long prompts: Mosaic GPU measured faster
     (64, "bfloat16", "__gpu$xla.gpu.triton"),  # short ones: Triton measured faster
