@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import workloads as benchmark_workloads
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
-from benchmarks import workloads as benchmark_workloads
 from pallas_prefill import masks, mosaic, ragged
 from tests import cases
 
