@@ -606,8 +606,9 @@ def padded_rows(rows: int, tile: int, *, tiled: bool) -> int:
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
              config: MosaicConfig):
   """The XLA work before the kernel: its operands (the work list, the scalars, the sink
-  weights if any, Q, K, V and ``v_tail``) and, with ``return_lse``, each output row's LSE
-  slot. Arguments as ``ragged_attention_mgpu``'s."""
+  weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
+  slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
+  ``ragged_attention_mgpu``'s."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
@@ -619,10 +620,10 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   table, lse_slot, kv_end, n_live = work_list(
       q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
       block_kv=config.block_kv)
+  programs = num_programs(num_heads * num_items, config)
   head_major = head_major_order(
       table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
-      group=num_heads // v.shape[1],
-      num_programs=num_programs(num_heads * num_items, config))
+      group=num_heads // v.shape[1], num_programs=programs)
   scalars = jnp.stack([n_live, _floor8(kv_end) // 8, head_major]).astype(jnp.int32)
   # The 8-row group holding the last key, rows past it zeroed.
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
@@ -641,7 +642,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
   inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, k_rows) for x in k_ops]
   inputs += [grow(v, v_rows), v_tail]
-  return inputs, (lse_slot if return_lse else None)
+  return inputs, (lse_slot if return_lse else None), programs
 
 
 def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
@@ -651,9 +652,10 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   total_q, num_heads, _ = q_ops[0].shape
   num_kv_heads, v_depth = v.shape[1:]
   rows = COMPUTE_WGS * config.block_q
-  num_items = num_work_items(total_q, q_offsets.shape[0] - 1, config.block_q)
-  inputs, lse_slot = operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights,
-                              mask=mask, return_lse=return_lse, config=config)
+  inputs, lse_slot, programs = operands(q_ops, k_ops, v, q_offsets, kv_offsets,
+                                        sink_weights, mask=mask, return_lse=return_lse,
+                                        config=config)
+  num_items = inputs[0].shape[0]  # the work list's rows
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
@@ -664,7 +666,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))
   results = plgpu.kernel(
-      kernel, out_type=out_type, grid=(num_programs(num_heads * num_items, config),),
+      kernel, out_type=out_type, grid=(programs,),
       grid_names=("cta",),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
