@@ -5,8 +5,8 @@
 For each kernel and workload, on the first input set of the harness (benchmarks/run.py's
 timing): the whole ``backend="mosaic_gpu"`` call; the work list alone
 (``mosaic.work_list``); all the XLA work before the kernel (``mosaic.operands``: the work
-list, ``v_tail``, and the copy that gives V rows in a multiple of 8 when it has another
-row count); and the Triton call for scale. The kernel's own share is the
+list, the unit order and ``v_tail``; no operand is copied unless it is shorter than a
+tile); and the Triton call for scale. The kernel's own share is the
 whole call less the XLA work (the kernel waits for it). Writes DIR/breakdown.json and
 prints a table.
 """
@@ -33,8 +33,8 @@ DEFAULT = ["equal4x4096", "skew16_16k", "short64", "sliding4x16384_w4096"]
 
 def xla_parts(problem: sy.Problem, config: pp.MosaicConfig):
   """The XLA work before the kernel, as the harness's call (no LSE) runs it: the work list
-  alone, and all of it (``mosaic.operands``: the work list, ``v_tail`` and V's copy to a
-  row count in a multiple of 8); jitted functions of the problem's arrays."""
+  alone, and all of it (``mosaic.operands``: the work list, the unit order and
+  ``v_tail``); jitted functions of the problem's arrays."""
   w = problem.workload
   total_q, total_kv = problem.q.shape[0], problem.kv[-1].shape[0]
 

@@ -21,12 +21,12 @@ The ragged parts, which the dense kernel has none of:
   trip count, zero included. Only the items that store rows run (a scalar operand holds
   their number); the table's other items, there because its size is static, do not.
 - TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
-  arrays whose row count is one. Q and K avoid the second: they live in 64-column
+  arrays whose row count is one. Q, K and V avoid the second: they live in 64-column
   buffers that TMA fills untiled, from any row of arrays of any row count, and that the
   matrix products read through an (8, 64)-tiled view of the same bytes (a
-  ``plgpu.RefUnion``); only V of other row counts is copied with zero rows added. An
-  item starts at its sequence's first row rounded down to 8, and the rows before it (a
-  neighbour's) and past the sequence are computed and never stored.
+  ``plgpu.RefUnion``); P.V is one product per 64 columns of V, each into its own
+  accumulator. An item starts at its sequence's first row rounded down to 8, and the
+  rows before it (a neighbour's) and past the sequence are computed and never stored.
 - KV tile i starts at the sequence's first key rounded down to 8, plus i * block_kv, but
   no later than ``max(ceil8(kv_end) - block_kv, 0)``: the last tile is shifted back to end
   in the 8-row group of the last key, so it reads no K/V row past that group. The keys it
@@ -37,8 +37,11 @@ The ragged parts, which the dense kernel has none of:
   batch's keys lie in the first ``block_kv - 8`` rows of longer K/V arrays, the clamped
   first tile reads V rows past the last key, which must then be finite.
 - Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
-  rows), as JAX's ragged_dot does, so no store touches a neighbour's rows. The LSE goes
-  to a per-item buffer that XLA gathers back into rows.
+  rows, for each 64-column output buffer), as JAX's ragged_dot does, so no store touches
+  a neighbour's rows. The LSE goes to a per-item buffer that XLA gathers back into rows.
+  (One output buffer per accumulator, not one buffer written a column slice at a time:
+  the sliced stores into the warpgroup's buffer gave a wrong second half on the H200
+  that interpret mode does not show, BUILD_NOTES.md.)
 
 Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts and V of
 depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V
@@ -77,7 +80,7 @@ _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
 # its busiest program has at most this much more work than the item-major order's.
 UNIT_COST_TILES = 1
 HEAD_MAJOR_SLACK = 1.05
-CHUNK = 64  # columns of the Q and K buffers (``column_chunks``)
+CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -375,20 +378,21 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   scratch = [
       [chunk_buffer((COMPUTE_WGS, block_q, CHUNK)) for _ in chunks],
       [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in chunks],
-      smem((num_stages, block_kv, v_depth), dtype),
-      plgpu.SMEM((COMPUTE_WGS, block_q, v_depth), out_dtype),
+      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in range(v_depth // CHUNK)],
+      # The output, one buffer per 64 columns (one per accumulator).
+      [plgpu.SMEM((COMPUTE_WGS, block_q, CHUNK), out_dtype) for _ in range(v_depth // CHUNK)],
       plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=num_stages),  # K loaded
-      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # V loaded (two copies)
+      plgpu.Barrier(num_arrivals=2 * (v_depth // CHUNK), num_barriers=num_stages),  # V
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
   ]
 
-  def body(q_smems, k_smems, v_smem, o_smem2, lse_smem2, q_bars, k_bars, v_bars, k_used,
+  def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, q_bars, k_bars, v_bars, k_used,
            v_used, schedule):
     wg = lax.axis_index("wg")
     units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
@@ -416,7 +420,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       plgpu.set_max_registers(232, action="increase")
       q_fill = [fill.at[wg] for fill, _ in q_smems]
       q_smem = [tiled.at[wg] for _, tiled in q_smems]
-      o_smem = o_smem2.at[wg]
+      o_smem = [o.at[wg] for o in o_smems]
       lse_smem = lse_smem2.at[wg] if has_lse else None
 
       def load_q(k):
@@ -452,7 +456,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           m0, l0 = ragged.MASK_VALUE, 0.0
         m_i = plgpu.layout_cast(jnp.full((block_q,), m0, jnp.float32), layout.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((block_q,), l0, jnp.float32), layout.reduce(1))
-        acc = plgpu.layout_cast(jnp.zeros((block_q, v_depth), jnp.float32), layout)
+        # One accumulator per 64 columns of V: P.V is one matrix product per V buffer.
+        acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, CHUNK), jnp.float32), layout)
+                    for _ in v_smems)
 
         pl.when(wg == 1)(sync)
 
@@ -489,7 +495,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           m_new = jnp.maximum(m_i, s.max(axis=1))
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
           l_i = l_i * alpha
           p16 = p.astype(dtype)
           if v_depth <= 128:
@@ -504,10 +510,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
             plgpu.barrier_wait(schedule)
             l_i = l_i + p.sum(axis=1)
 
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot(i)])
+          def pv(acc_refs):
+            for acc_ref, (_, vs) in zip(acc_refs, v_smems):
+              plgpu.wgmma(acc_ref, p16, vs.at[slot(i)])
 
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
           plgpu.barrier_arrive(v_used.at[slot(i)])
           return acc, m_new, l_i
 
@@ -525,9 +532,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
         seen = l_i > 0
         l_safe = jnp.where(seen, l_i, 1.0)
-        out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
+        out = [(a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(out_dtype)
+               for a in acc]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read
-        o_smem[...] = out
+        for buf, part in zip(o_smem, out):
+          buf[...] = part
         if has_lse:
           lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
                                     ragged.EMPTY_ROW_LSE)
@@ -539,8 +548,10 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
           @pl.when(take)
           def _store(first=first, size=size):
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, size)],
-                                    o_ref.at[pl.ds(row + first, size), h])
+            for c, buf in enumerate(o_smem):
+              plgpu.copy_smem_to_gmem(
+                  buf.at[pl.ds(first, size)],
+                  o_ref.at[pl.ds(row + first, size), h, pl.ds(c * CHUNK, CHUNK)])
 
           first = first + jnp.where(take, size, 0)
           size //= 2
@@ -584,10 +595,14 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           def _():
             plgpu.barrier_wait(v_used.at[slot])
 
-          # V in two copies: when a tile's last 8 rows are the last key's group, they come
-          # from v_tail, whose rows past that key are zeros (0 * NaN is NaN).
-          _load_rows(lambda rows: v_ref.at[rows, kv_head], v_tail_ref.at[:, kv_head],
-                     block_kv, start, v_smem.at[slot], v_bars.at[slot], tail_group=tail8)
+          # V in two copies per 64 columns: when a tile's last 8 rows are the last key's
+          # group, they come from v_tail, whose rows past that key are zeros (0 * NaN is
+          # NaN).
+          for c, (vs, _) in enumerate(v_smems):
+            cols = pl.ds(c * CHUNK, CHUNK)
+            _load_rows(lambda rows, cols=cols: v_ref.at[rows, kv_head, cols],
+                       v_tail_ref.at[:, kv_head, cols], block_kv, start, vs.at[slot],
+                       v_bars.at[slot], tail_group=tail8)
 
         return base + item_hi - item_lo
 
@@ -596,11 +611,10 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
 
-def padded_rows(rows: int, tile: int, *, tiled: bool) -> int:
-  """The rows an operand of `rows` rows is given to the kernel with: at least one tile,
-  and a multiple of 8 for an operand TMA copies into 8-row-tiled shared memory (V).
-  Operands that already have them are passed without a copy."""
-  return max(-(-rows // 8) * 8 if tiled else rows, tile)
+def padded_rows(rows: int, tile: int) -> int:
+  """The rows an operand of `rows` rows is given to the kernel with: at least one tile.
+  Operands that have them (any longer than a tile) are passed without a copy."""
+  return max(rows, tile)
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
@@ -629,19 +643,16 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
-  # TMA into 8-row-tiled shared memory takes GMEM arrays whose rows are a multiple of 8:
-  # V of other row counts is copied with zero rows added. Q and K go to untiled buffers
-  # (64-column chunks) and the output comes from one, so they need no padding beyond a
-  # tile's rows.
+  # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output
+  # comes from one, so no operand needs padding beyond a tile's rows.
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  q_rows = padded_rows(total_q, config.block_q, tiled=False)
-  k_rows = padded_rows(total_kv, config.block_kv, tiled=False)
-  v_rows = padded_rows(total_kv, config.block_kv, tiled=True)
+  q_rows = padded_rows(total_q, config.block_q)
+  kv_rows = padded_rows(total_kv, config.block_kv)
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
-  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, k_rows) for x in k_ops]
-  inputs += [grow(v, v_rows), v_tail]
+  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
+  inputs += [grow(v, kv_rows), v_tail]
   return inputs, (lse_slot if return_lse else None), programs
 
 
