@@ -21,7 +21,7 @@ TUNED_MOSAIC = {
     "NVIDIA H200": {
         (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, False),
         (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),
-        (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, None, False),
+        (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, None, True),
         (192, 128, "bfloat16", "CausalMask", True): (64, 64, 3, None, True),
     },
 }

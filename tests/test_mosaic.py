@@ -465,18 +465,25 @@ def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
       operand_types)
 
 
-@pytest.mark.parametrize("max_prompt_len,dtype,expect", [
-    (4096, "bfloat16", MOSAIC_CALL),  # long prompts: Mosaic GPU measured faster
-    (64, "bfloat16", "__gpu$xla.gpu.triton"),  # short ones: Triton measured faster
-    (4096, "float32", "__gpu$xla.gpu.triton"),  # Mosaic GPU cannot serve float32
+@pytest.mark.parametrize("kind,max_prompt_len,dtype,expect", [
+    ("mha", 4096, "bfloat16", MOSAIC_CALL),  # long prompts: Mosaic GPU measured faster
+    ("mha", 64, "bfloat16", "__gpu$xla.gpu.triton"),  # short ones: Triton, level or faster
+    ("mha", 4096, "float32", "__gpu$xla.gpu.triton"),  # Mosaic GPU cannot serve float32
+    ("mla", 4096, "bfloat16", MOSAIC_CALL),
+    ("mla", 64, "bfloat16", MOSAIC_CALL),  # MLA short64: 204 against Triton's 163 (d24004c)
 ])
-def test_auto_follows_the_tuned_table_on_an_h200(max_prompt_len, dtype, expect):
+def test_auto_follows_the_tuned_table_on_an_h200(kind, max_prompt_len, dtype, expect):
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
-  args = (s((1000, 8, 128), dt), s((1000, 2, 128), dt), s((1000, 2, 128), dt),
-          s((6,), jnp.int32))
-  fn = lambda q, k, v, o: pp.mha_prefill(q, k, v, o, max_prompt_len=max_prompt_len,  # noqa
-                                         backend="auto", interpret=False)
+  kwargs = dict(max_prompt_len=max_prompt_len, backend="auto", interpret=False)
+  if kind == "mha":
+    args = (s((1000, 8, 128), dt), s((1000, 2, 128), dt), s((1000, 2, 128), dt),
+            s((6,), jnp.int32))
+    fn = lambda q, k, v, o: pp.mha_prefill(q, k, v, o, **kwargs)  # noqa: E731
+  else:
+    args = (s((1000, 8, 192), dt), s((1000, 8, 128), dt), s((1000, 1, 64), dt),
+            s((1000, 8, 128), dt), s((6,), jnp.int32))
+    fn = lambda q, kn, kr, v, o: pp.mla_prefill(q, kn, kr, v, o, **kwargs)  # noqa: E731
   text = lower_for_h200(fn, *args).as_text()
   assert f"custom_call @{expect}(" in text
   other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
