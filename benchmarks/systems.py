@@ -126,8 +126,6 @@ def _pallas(problems, *, paged, backend="triton"):
   kernel = pp.mha_prefill if p0.kind == "mha" else pp.mla_prefill
   if paged and p0.paged is None:
     raise Unavailable("no paged cache in this workload")
-  if paged and backend == "mosaic_gpu":
-    raise Unavailable("the mosaic_gpu backend has no paged caches yet")
   w = p0.workload
 
   @jax.jit
@@ -146,7 +144,8 @@ def pallas_prefill(problems):
 
 
 def pallas_prefill_mosaic(problems):
-  """Ours, backend="mosaic_gpu" (Hopper): packed K/V."""
+  """Ours, backend="mosaic_gpu" (Hopper): packed K/V, or on the paged cache (its pages
+  gathered first) when the workload has one."""
   return _pallas(problems, paged=problems[0].paged is not None, backend="mosaic_gpu")
 
 

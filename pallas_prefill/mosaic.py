@@ -46,6 +46,8 @@ The ragged parts, which the dense kernel has none of:
 Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts and V of
 depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V
 (packed or with K/V offsets), every mask, sinks, LSE, GQA/MQA, MLA's two-part logits.
+Paged caches are gathered into contiguous K/V before the call (``gathered_pages``: one
+region of the block table's capacity per sequence), not read page by page.
 ``unsupported_reason`` says why anything else is not; ``backend="auto"`` then runs Triton.
 """
 
@@ -111,11 +113,11 @@ def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
 
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, paged,
                        config: MosaicConfig) -> str | None:
-  """Why the Mosaic GPU kernel cannot run this case, or None when it can."""
+  """Why the Mosaic GPU kernel cannot run this case, or None when it can. (Paged caches
+  are served by gathering their pages first, ``gathered_pages``.)"""
+  del paged
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
-  if paged:
-    return "paged K/V caches are not implemented in the mosaic_gpu backend yet"
   for w in [p.width for p in parts] + [v_depth]:
     if w % 64 or w > 256:
       return f"depth {w}: the mosaic_gpu backend needs depths that are multiples of 64 <= 256"
@@ -136,7 +138,46 @@ def _floor8(x):
   return lax.div(x, 8) * 8  # x >= 0
 
 
-def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv):
+def _q_ranges(q_offsets, total_q):
+  """Each sequence's query rows [q_start, q_end): offsets clamped to [0, total_q] and
+  chained (sequence b's start where b-1's ends), whatever the offsets hold."""
+  q_off = jnp.clip(q_offsets.astype(jnp.int32), 0, total_q)
+  q_end = lax.cummax(q_off[1:])
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), q_end[:-1]]), q_end
+
+
+def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
+  """Each sequence's keys in a paged cache: its cached tokens (clamped to [0, capacity])
+  plus its new rows, at most the block table's ``capacity`` rows (as the Triton kernel
+  reads them)."""
+  q_start, q_end = _q_ranges(q_offsets, total_q)
+  cache = jnp.clip(cache_lengths.astype(jnp.int32), 0, capacity)
+  return jnp.minimum(cache + q_end - q_start, capacity)
+
+
+def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
+  """Paged K/V operands (each [num_pages, page_size, heads, depth]) gathered into
+  contiguous arrays [batch * capacity, heads, depth], capacity = max_pages * page_size:
+  sequence b's keys at rows [b * capacity, b * capacity + kv_len[b]), and every row past
+  them zeroed (stale cache rows may hold NaN, and 0 * NaN would reach P.V). Page ids are
+  clamped to the pages there are, as the Triton kernel does. One XLA gather per operand:
+  the whole block table's capacity is copied, whatever the cache lengths."""
+  num_pages, page_size = pages_ops[0].shape[:2]
+  batch, max_pages = block_table.shape
+  capacity = max_pages * page_size
+  ids = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+  kv_len = paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+  keep = (jnp.arange(capacity, dtype=jnp.int32)[None, :] < kv_len[:, None]).reshape(-1)
+
+  def gather(x):
+    g = x[ids].reshape((batch * capacity,) + x.shape[2:])
+    return jnp.where(keep[:, None, None], g, jnp.zeros((), x.dtype))
+
+  return [gather(x) for x in pages_ops], capacity
+
+
+def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv,
+              paged_cache=None):
   """The per-item table [num_items, _META_COLS] int32; each output row's column in the
   per-item LSE buffer; the end of the last sequence's keys; and the number of items that
   store rows (the kernel runs those: they come first, heaviest first, and the rest of
@@ -150,13 +191,18 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   except that no tile starts after ``max(ceil8(kv_end) - block_kv, 0)``: the last tile
   ends in the 8-row group of the last key (or, when all keys lie in the first block_kv
   rows, at row block_kv).
+
+  paged_cache: (cache_lengths, capacity) for K/V that ``gathered_pages`` gathered from a
+  paged cache: sequence b's keys are then rows [b * capacity, b * capacity + kv_len).
   """
   rows = COMPUTE_WGS * block_q
   batch = q_offsets.shape[0] - 1
-  q_off = jnp.clip(q_offsets.astype(jnp.int32), 0, total_q)
-  q_end = lax.cummax(q_off[1:])
-  q_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), q_end[:-1]])
-  if kv_offsets is None:
+  q_start, q_end = _q_ranges(q_offsets, total_q)
+  if paged_cache is not None:
+    cache_lengths, capacity = paged_cache
+    kv_start = jnp.arange(batch, dtype=jnp.int32) * capacity
+    kv_end = kv_start + paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+  elif kv_offsets is None:
     kv_start, kv_end = q_start, q_end
   else:
     kv_off = jnp.clip(kv_offsets.astype(jnp.int32), 0, total_kv)
@@ -618,7 +664,7 @@ def padded_rows(rows: int, tile: int) -> int:
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
-             config: MosaicConfig):
+             config: MosaicConfig, paged_cache=None):
   """The XLA work before the kernel: its operands (the work list, the scalars, the sink
   weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
   slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
@@ -633,7 +679,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
                      "the kernel's int32 unit and LSE indices")
   table, lse_slot, kv_end, n_live = work_list(
       q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
-      block_kv=config.block_kv)
+      block_kv=config.block_kv, paged_cache=paged_cache)
   programs = num_programs(num_heads * num_items, config)
   head_major = head_major_order(
       table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
@@ -657,15 +703,25 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
 
 
 def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
-                          mask, scale, output_dtype, return_lse, config: MosaicConfig):
+                          mask, scale, output_dtype, return_lse, config: MosaicConfig,
+                          paged=None):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
-  None); arguments and results as ``ragged.ragged_attention``'s."""
+  None); arguments and results as ``ragged.ragged_attention``'s. A paged cache
+  (``paged``: block table, cache lengths) is gathered into contiguous K/V first
+  (``gathered_pages``)."""
   total_q, num_heads, _ = q_ops[0].shape
+  paged_cache = None
+  if paged is not None:
+    block_table, cache_lengths = paged
+    gathered, capacity = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
+                                        total_q)
+    k_ops, v = gathered[:-1], gathered[-1]
+    paged_cache = (cache_lengths, capacity)
   num_kv_heads, v_depth = v.shape[1:]
   rows = COMPUTE_WGS * config.block_q
   inputs, lse_slot, programs = operands(q_ops, k_ops, v, q_offsets, kv_offsets,
                                         sink_weights, mask=mask, return_lse=return_lse,
-                                        config=config)
+                                        config=config, paged_cache=paged_cache)
   num_items = inputs[0].shape[0]  # the work list's rows
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),

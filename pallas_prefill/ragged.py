@@ -271,7 +271,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   if mosaic_config is not None:
     out = mosaic.ragged_attention_mgpu(
         q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts, mask=mask,
-        scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=mosaic_config)
+        scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=mosaic_config,
+        paged=paged)
     if return_lse:
       return out[0][..., :v_depth], out[1]
     return out[..., :v_depth]
@@ -345,8 +346,9 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
     if reason is not None:
       raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
     return mosaic_config
-  # "auto"
-  if interpret or reason is not None or isinstance(config, MhaConfig):
+  # "auto" (paged caches stay on Triton: the Mosaic GPU backend gathers their pages first,
+  # and that has not been measured against Triton's reads from the pages)
+  if interpret or reason is not None or isinstance(config, MhaConfig) or paged is not None:
     return None
   if isinstance(config, MosaicConfig) or prefers_mosaic(qk, v.shape[-1], v.dtype, mask,
                                                          max_prompt_len):

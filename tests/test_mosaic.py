@@ -30,10 +30,20 @@ import pallas_prefill as pp
 from pallas_prefill import config as config_lib
 from pallas_prefill import masks, mosaic, ragged
 from tests import cases
+from tests.test_paged import PAGED_CASES, with_kv_lens
 
 
 def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
-  """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs."""
+  """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs (a paged
+  cache gathered as the backend gathers it, ``mosaic.gathered_pages``)."""
+  paged_cache = None
+  if isinstance(args[1], pp.PagedKV):
+    cache = args[1]
+    gathered, capacity = mosaic.gathered_pages(
+        [x.pages for x in args[1:-1]], cache.block_table, cache.cache_lengths, args[-1],
+        args[0].shape[0])
+    args = (args[0], *gathered, args[-1])
+    paged_cache = (cache.cache_lengths, capacity)
   if case.kind == "mha":
     q, k, v, q_off = args
     q_parts, k_parts = [np.asarray(q, np.float64)], [np.asarray(k, np.float64)]
@@ -53,7 +63,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
   table, lse_slot, kv_end, n_live = mosaic.work_list(q_off, kv_off, total_q, total_kv,
-                                                     mask=mask, block_q=bq, block_kv=bkv)
+                                                     mask=mask, block_q=bq, block_kv=bkv,
+                                                     paged_cache=paged_cache)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
@@ -131,7 +142,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   return out, lse
 
 
-EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES)
+EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES
+                             + [with_kv_lens(c) for c in PAGED_CASES])
             if cases.mosaic_serves(c)] + [
     cases.Case(lens=(7, 130, 3, 300, 9), kv_lens=(20, 0, 200, 64, 9), head_dim=64,
                lse=True, config=None),
@@ -320,13 +332,25 @@ def test_refuses_what_it_cannot_serve(dtype, depth, why):
                    interpret=False)
 
 
-def test_refuses_paged():
-  q = jnp.ones((64, 4, 128), jnp.bfloat16)
-  pages = jnp.ones((4, 64, 4, 128), jnp.bfloat16)
-  kv = pp.PagedKV(pages, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
-  with pytest.raises(NotImplementedError, match="paged"):
-    pp.mha_prefill(q, kv, kv, jnp.asarray([0, 64], jnp.int32), max_prompt_len=64,
-                   backend="mosaic_gpu", interpret=False)
+def test_gathered_pages_zero_rows_past_the_keys():
+  """Each sequence's region holds its keys in order, from its pages, and zeros after them
+  (stale cache rows may be NaN); page ids past the pages are clamped."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  page_size, num_pages, heads = 16, 9, 2
+  pages = rng.standard_normal((num_pages, page_size, heads, 8)).astype(np.float32)
+  pages[-1] = np.nan  # a page no sequence holds keys in
+  table = np.array([[3, 0, 10**6], [5, 1, 2], [8, 8, 8]], np.int32)
+  cache = np.array([20, 40, 0], np.int32)
+  q_off = np.array([0, 5, 10, 10], np.int32)  # new rows 5, 5, 0
+  [got], capacity = mosaic.gathered_pages([jnp.asarray(pages)], jnp.asarray(table),
+                                          jnp.asarray(cache), jnp.asarray(q_off), 10)
+  got = np.asarray(got)
+  assert capacity == 3 * page_size and got.shape == (3 * capacity, heads, 8)
+  for b, kv_len in enumerate([25, 45, 0]):
+    region = got[b * capacity:(b + 1) * capacity]
+    want = np.concatenate([pages[min(p, num_pages - 1)] for p in table[b]])[:kv_len]
+    np.testing.assert_array_equal(region[:kv_len], want)
+    assert not region[kv_len:].any() and np.isfinite(region).all()
 
 
 def test_backend_argument_errors():
@@ -485,6 +509,31 @@ def test_auto_follows_the_tuned_table_on_an_h200(kind, max_prompt_len, dtype, ex
             s((1000, 8, 128), dt), s((6,), jnp.int32))
     fn = lambda q, kn, kr, v, o: pp.mla_prefill(q, kn, kr, v, o, **kwargs)  # noqa: E731
   text = lower_for_h200(fn, *args).as_text()
+  assert f"custom_call @{expect}(" in text
+  other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
+  assert f"custom_call @{other}(" not in text
+
+
+def _paged_mha(total_q=1000, page_size=64, num_pages=40, max_pages=12, batch=5):
+  s = jax.ShapeDtypeStruct
+  pages = s((num_pages, page_size, 2, 128), jnp.bfloat16)
+  return (s((total_q, 8, 128), jnp.bfloat16), pages, pages, s((batch + 1,), jnp.int32),
+          s((batch, max_pages), jnp.int32), s((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("backend,expect", [
+    ("mosaic_gpu", MOSAIC_CALL),  # its pages gathered, then the contiguous kernel
+    ("auto", "__gpu$xla.gpu.triton"),  # paged caches stay on Triton (not measured yet)
+])
+def test_paged_lowers_for_an_h200(backend, expect):
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+
+  def fn(q, k_pages, v_pages, off, table, cache):
+    k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
+    return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend=backend,
+                          interpret=False)
+
+  text = lower_for_h200(fn, *_paged_mha()).as_text()
   assert f"custom_call @{expect}(" in text
   other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
   assert f"custom_call @{other}(" not in text
