@@ -144,8 +144,8 @@ def pallas_prefill(problems):
 
 
 def pallas_prefill_mosaic(problems):
-  """Ours, backend="mosaic_gpu" (Hopper): packed K/V, or on the paged cache (its pages
-  gathered first) when the workload has one."""
+  """Ours, backend="mosaic_gpu" (Hopper): packed K/V, or on the paged cache when the
+  workload has one."""
   return _pallas(problems, paged=problems[0].paged is not None, backend="mosaic_gpu")
 
 

@@ -46,8 +46,12 @@ The ragged parts, which the dense kernel has none of:
 Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts and V of
 depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V
 (packed or with K/V offsets), every mask, sinks, LSE, GQA/MQA, MLA's two-part logits.
-Paged caches are gathered into contiguous K/V before the call (``gathered_pages``: one
-region of the block table's capacity per sequence), not read page by page.
+Paged caches with pages of ``MIN_NATIVE_PAGE`` rows or more are read page by page: KV tile
+i of a sequence is its positions [i * block_kv, (i + 1) * block_kv) (block_kv cut to the
+page size), which lie in one page; the producer reads the page id from the block table
+and TMAs the tile from it; each sequence's last V tile comes from ``v_tail`` (then one
+tile per sequence, rows past its keys zeroed: stale cache rows may be NaN). Smaller
+pages are gathered into contiguous K/V first (``gathered_pages``).
 ``unsupported_reason`` says why anything else is not; ``backend="auto"`` then runs Triton.
 """
 
@@ -73,6 +77,13 @@ COMPUTE_WGS = 2
 (_Q_START, _Q_LEN, _KV_START, _KV_LEN, _ROW8, _KV_ROW8, _KV_LAST8, _T_LO, _T_HI) = range(9)
 _WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
 _META_COLS = _WG_COLS + 4 * COMPUTE_WGS
+_SEQ = _META_COLS  # paged (``page_tiles``) only: the item's sequence, its block table row
+# ``_KV_LAST8`` of items whose KV tiles are never shifted back (a paged cache's tiles lie
+# inside pages): larger than any tile's row / 8.
+_NO_SHIFT = 2**27
+# Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;
+# smaller pages are gathered into contiguous K/V first (``gathered_pages``).
+MIN_NATIVE_PAGE = 64
 # The kernel's scalar operand: the items to run (those that store rows), the 8-row group
 # of the batch's last key (the one that comes from ``v_tail``) and the order of the units
 # (1: K/V-head-major, ``head_major_order``).
@@ -177,7 +188,7 @@ def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
 
 
 def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv,
-              paged_cache=None):
+              paged_cache=None, page_tiles=False):
   """The per-item table [num_items, _META_COLS] int32; each output row's column in the
   per-item LSE buffer; the end of the last sequence's keys; and the number of items that
   store rows (the kernel runs those: they come first, heaviest first, and the rest of
@@ -194,13 +205,16 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
 
   paged_cache: (cache_lengths, capacity) for K/V that ``gathered_pages`` gathered from a
   paged cache: sequence b's keys are then rows [b * capacity, b * capacity + kv_len).
+  With ``page_tiles`` the kernel reads the pages themselves instead: every sequence's
+  keys are positions [0, kv_len) of its own pages, and KV tile i covers positions
+  [i * block_kv, (i + 1) * block_kv), never shifted back (it lies inside one page).
   """
   rows = COMPUTE_WGS * block_q
   batch = q_offsets.shape[0] - 1
   q_start, q_end = _q_ranges(q_offsets, total_q)
   if paged_cache is not None:
     cache_lengths, capacity = paged_cache
-    kv_start = jnp.arange(batch, dtype=jnp.int32) * capacity
+    kv_start = jnp.arange(batch, dtype=jnp.int32) * (0 if page_tiles else capacity)
     kv_end = kv_start + paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
   elif kv_offsets is None:
     kv_start, kv_end = q_start, q_end
@@ -234,6 +248,8 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
   # negative start is no out-of-bounds zero fill but a wild row.
   kv_last = jnp.maximum(_floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
+  if page_tiles:
+    kv_last = jnp.full_like(kv_last, _NO_SHIFT * 8)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
   start_pos = i_kv_len - i_q_len
 
@@ -263,6 +279,8 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
     # it the empty range at the item's start so that its loops stay in order.
     empty = t_lo == t_hi
     cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
+  if page_tiles:
+    cols.append(jnp.where(live, seq, 0))
   table = jnp.stack(cols, axis=1).astype(jnp.int32)
   # Item k stores its rows [max(row, q_start), min(row + rows, q_end)), if any.
   first_stored = jnp.maximum(row, i_q_start)
@@ -400,13 +418,18 @@ def num_programs(num_units_bound: int, config: MosaicConfig) -> int:
 
 
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
-            block_q, block_kv, num_stages, group, num_heads, out_dtype):
+            block_q, block_kv, num_stages, group, num_heads, out_dtype, page_size=None):
+  # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
+  # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
+  # last V tile with the rows past its keys zeroed, and the block table follows it.
   refs = list(refs)
   sink_ref = refs.pop(0) if has_sink else None
   q_refs, refs = refs[:n_q], refs[n_q:]
   k_refs, refs = refs[:n_k], refs[n_k:]
-  v_ref, v_tail_ref, o_ref = refs[:3]
-  lse_ref = refs[3] if has_lse else None
+  v_ref, v_tail_ref, *refs = refs
+  table_ref = refs.pop(0) if page_size is not None else None
+  o_ref = refs[0]
+  lse_ref = refs[1] if has_lse else None
   v_depth = v_ref.shape[-1]
   dtype = v_ref.dtype
   chunks = column_chunks(parts)
@@ -432,7 +455,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   barriers = [
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=num_stages),  # K loaded
-      plgpu.Barrier(num_arrivals=2 * (v_depth // CHUNK), num_barriers=num_stages),  # V
+      # V loaded: two copies per chunk (``_load_rows``), one per chunk from pages
+      plgpu.Barrier(num_arrivals=(1 if page_size else 2) * (v_depth // CHUNK),
+                    num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
@@ -619,6 +644,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         kv_head = lax.div(h, jnp.int32(group))
         tile_row = functools.partial(tile_first_row, meta(_KV_ROW8), meta(_KV_LAST8),
                                      block_kv=block_kv)
+        if page_size is not None:
+          seq = meta(_SEQ)
+          last_tile = lax.div(jnp.maximum(meta(_KV_LEN) - 1, 0), jnp.int32(block_kv))
 
         @pl.loop(item_lo, item_hi)
         def _load(i):
@@ -630,16 +658,41 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           def _():
             plgpu.barrier_wait(k_used.at[slot])
 
+          if page_size is not None:
+            # Tile i is positions [start, start + block_kv) of the sequence, inside one
+            # page (block_kv divides page_size); the table's page ids are in range.
+            page = table_ref[seq, lax.div(start, jnp.int32(page_size))]
+            start = lax.rem(start, jnp.int32(page_size))
+            at = lambda x, *idx: x.at[page, *idx]  # noqa: E731
+          else:
+            at = lambda x, *idx: x.at[idx]  # noqa: E731
           for (part, col), (ks, _) in zip(chunks, k_smems):
             k_head = 0 if part.shared_k else kv_head
             plgpu.copy_gmem_to_smem(
-                k_refs[part.k_index].at[pl.ds(start, block_kv), k_head,
-                                        pl.ds(part.k_col + col, CHUNK)],
+                at(k_refs[part.k_index], pl.ds(start, block_kv), k_head,
+                   pl.ds(part.k_col + col, CHUNK)),
                 ks.at[slot], k_bars.at[slot])
 
           @pl.when(reuse)
           def _():
             plgpu.barrier_wait(v_used.at[slot])
+
+          if page_size is not None:
+            # V from the page, but the sequence's last tile from v_tail_ref, whose rows
+            # past the sequence's keys are zeros (stale cache rows may be NaN).
+            for c, (vs, _) in enumerate(v_smems):
+              cols = pl.ds(c * CHUNK, CHUNK)
+
+              @pl.when(i == last_tile)
+              def _(cols=cols, vs=vs):
+                plgpu.copy_gmem_to_smem(v_tail_ref.at[seq, :, kv_head, cols], vs.at[slot],
+                                        v_bars.at[slot])
+
+              @pl.when(i != last_tile)
+              def _(cols=cols, vs=vs):
+                plgpu.copy_gmem_to_smem(at(v_ref, pl.ds(start, block_kv), kv_head, cols),
+                                        vs.at[slot], v_bars.at[slot])
+            return
 
           # V in two copies per 64 columns: when a tile's last 8 rows are the last key's
           # group, they come from v_tail, whose rows past that key are zeros (0 * NaN is
@@ -664,7 +717,7 @@ def padded_rows(rows: int, tile: int) -> int:
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
-             config: MosaicConfig, paged_cache=None):
+             config: MosaicConfig, paged_cache=None, block_table=None):
   """The XLA work before the kernel: its operands (the work list, the scalars, the sink
   weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
   slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
@@ -679,11 +732,31 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
                      "the kernel's int32 unit and LSE indices")
   table, lse_slot, kv_end, n_live = work_list(
       q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
-      block_kv=config.block_kv, paged_cache=paged_cache)
+      block_kv=config.block_kv, paged_cache=paged_cache, page_tiles=block_table is not None)
   programs = num_programs(num_heads * num_items, config)
   head_major = head_major_order(
       table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
-      group=num_heads // v.shape[1], num_programs=programs)
+      group=num_heads // v.shape[-2], num_programs=programs)
+  grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
+      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  q_rows = padded_rows(total_q, config.block_q)
+  if block_table is not None:
+    # The kernel reads the pages: each sequence's last V tile comes from v_last, a copy
+    # with the rows past its keys zeroed, and no key group is special (tail8 = -1).
+    num_pages, page_size = v.shape[:2]
+    cache_lengths, capacity = paged_cache
+    ids = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
+    kv_len = paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+    pos = (jnp.maximum(kv_len - 1, 0) // config.block_kv * config.block_kv)[:, None] + (
+        jnp.arange(config.block_kv, dtype=jnp.int32))
+    page = jnp.take_along_axis(ids, jnp.minimum(pos // page_size, ids.shape[1] - 1), 1)
+    v_last = jnp.where((pos < kv_len[:, None])[..., None, None], v[page, pos % page_size],
+                       jnp.zeros((), v.dtype))
+    scalars = jnp.stack([n_live, jnp.int32(-1), head_major]).astype(jnp.int32)
+    inputs = [table, scalars]
+    inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
+    inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
+    return inputs, (lse_slot if return_lse else None), programs
   scalars = jnp.stack([n_live, _floor8(kv_end) // 8, head_major]).astype(jnp.int32)
   # The 8-row group holding the last key, rows past it zeroed.
   tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
@@ -691,9 +764,6 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
   # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output
   # comes from one, so no operand needs padding beyond a tile's rows.
-  grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
-      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  q_rows = padded_rows(total_q, config.block_q)
   kv_rows = padded_rows(total_kv, config.block_kv)
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
@@ -707,28 +777,34 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
                           paged=None):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
   None); arguments and results as ``ragged.ragged_attention``'s. A paged cache
-  (``paged``: block table, cache lengths) is gathered into contiguous K/V first
-  (``gathered_pages``)."""
+  (``paged``: block table, cache lengths) is read page by page, in KV tiles of at most a
+  page, when its pages have ``MIN_NATIVE_PAGE`` rows or more; smaller pages are gathered
+  into contiguous K/V first (``gathered_pages``)."""
   total_q, num_heads, _ = q_ops[0].shape
-  paged_cache = None
+  paged_cache = block_table = page_size = None
   if paged is not None:
     block_table, cache_lengths = paged
-    gathered, capacity = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
-                                        total_q)
-    k_ops, v = gathered[:-1], gathered[-1]
-    paged_cache = (cache_lengths, capacity)
-  num_kv_heads, v_depth = v.shape[1:]
+    paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
+    if v.shape[1] >= MIN_NATIVE_PAGE:
+      page_size = v.shape[1]
+      config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+    else:
+      gathered, _ = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
+                                   total_q)
+      k_ops, v, block_table = gathered[:-1], gathered[-1], None
+  num_kv_heads, v_depth = v.shape[-2:]
   rows = COMPUTE_WGS * config.block_q
   inputs, lse_slot, programs = operands(q_ops, k_ops, v, q_offsets, kv_offsets,
                                         sink_weights, mask=mask, return_lse=return_lse,
-                                        config=config, paged_cache=paged_cache)
+                                        config=config, paged_cache=paged_cache,
+                                        block_table=block_table)
   num_items = inputs[0].shape[0]  # the work list's rows
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops),
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
-      out_dtype=jnp.dtype(output_dtype))
+      out_dtype=jnp.dtype(output_dtype), page_size=page_size)
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))

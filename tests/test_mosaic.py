@@ -34,16 +34,23 @@ from tests.test_paged import PAGED_CASES, with_kv_lens
 
 
 def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
-  """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs (a paged
-  cache gathered as the backend gathers it, ``mosaic.gathered_pages``)."""
-  paged_cache = None
+  """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs; a paged
+  cache read page by page (pages of ``mosaic.MIN_NATIVE_PAGE`` rows or more) or gathered
+  as the backend gathers it (``mosaic.gathered_pages``)."""
+  paged_cache = native = None
   if isinstance(args[1], pp.PagedKV):
     cache = args[1]
-    gathered, capacity = mosaic.gathered_pages(
-        [x.pages for x in args[1:-1]], cache.block_table, cache.cache_lengths, args[-1],
-        args[0].shape[0])
-    args = (args[0], *gathered, args[-1])
-    paged_cache = (cache.cache_lengths, capacity)
+    num_pages, page_size = cache.pages.shape[:2]
+    paged_cache = (cache.cache_lengths, cache.block_table.shape[1] * page_size)
+    if page_size >= mosaic.MIN_NATIVE_PAGE:
+      native = (np.clip(np.asarray(cache.block_table), 0, num_pages - 1), page_size)
+      config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+      args = (args[0], *[x.pages for x in args[1:-1]], args[-1])
+    else:
+      gathered, _ = mosaic.gathered_pages(
+          [x.pages for x in args[1:-1]], cache.block_table, cache.cache_lengths, args[-1],
+          args[0].shape[0])
+      args = (args[0], *gathered, args[-1])
   if case.kind == "mha":
     q, k, v, q_off = args
     q_parts, k_parts = [np.asarray(q, np.float64)], [np.asarray(k, np.float64)]
@@ -57,14 +64,15 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   kv_off = kwargs.get("kv_input_row_offsets")
   mask = kwargs["mask"]
   total_q, heads, _ = q_parts[0].shape
-  total_kv, kv_heads, dv = v.shape
+  total_kv, (kv_heads, dv) = v.shape[0], v.shape[-2:]
   depth = sum(x.shape[-1] for x in q_parts)
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
   table, lse_slot, kv_end, n_live = mosaic.work_list(q_off, kv_off, total_q, total_kv,
                                                      mask=mask, block_q=bq, block_kv=bkv,
-                                                     paged_cache=paged_cache)
+                                                     paged_cache=paged_cache,
+                                                     page_tiles=native is not None)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
@@ -107,7 +115,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       acc = np.zeros((bq, dv))
       for i in range(t_lo, t_hi):
         start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
-        s = sum(qx @ rows_of(kx[:, kvh if kx.shape[1] > 1 else 0], start, bkv).T
+        if native is not None:
+          # Positions [start, start + bkv) of the sequence, inside one page.
+          block_table, page_size = native
+          page = block_table[t[c("_SEQ")], start // page_size]
+          assert start % page_size + bkv <= page_size, "a tile spans two pages"
+          tile = lambda x, head, page=page, start=start: x[  # noqa: E731
+              page, start % page_size:start % page_size + bkv, head]
+        else:
+          tile = lambda x, head, start=start: rows_of(x[:, head], start, bkv)  # noqa: E731
+        s = sum(qx @ tile(kx, kvh if kx.shape[-2] > 1 else 0).T
                 for qx, kx in zip(qs, k_parts)) * scale
         q_pos = row_pos + np.arange(bq)[:, None]
         k_pos = start - kv_start + np.arange(bkv)[None, :]
@@ -115,8 +132,11 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
                                              kv_len, block_kv=bkv))
         if u_lo <= i < u_hi:
           assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
-        vt = rows_of(v[:, kvh], start, bkv)
-        if start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
+        vt = tile(v, kvh)
+        if native is not None:
+          if i == max(kv_len - 1, 0) // bkv:  # the sequence's last tile, from v_last
+            vt = np.where((start + np.arange(bkv) < kv_len)[:, None], vt, 0.0)
+        elif start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
           tail_rows = start + bkv - 8 + np.arange(8)
           vt[bkv - 8:][tail_rows >= kv_end] = 0.0
         s = np.where(vis, s, -np.inf)
@@ -521,19 +541,73 @@ def _paged_mha(total_q=1000, page_size=64, num_pages=40, max_pages=12, batch=5):
           s((batch, max_pages), jnp.int32), s((batch,), jnp.int32))
 
 
-@pytest.mark.parametrize("backend,expect", [
-    ("mosaic_gpu", MOSAIC_CALL),  # its pages gathered, then the contiguous kernel
-    ("auto", "__gpu$xla.gpu.triton"),  # paged caches stay on Triton (not measured yet)
+@pytest.mark.parametrize("backend,page_size,expect", [
+    ("mosaic_gpu", 64, MOSAIC_CALL),  # read page by page
+    ("mosaic_gpu", 256, MOSAIC_CALL),
+    ("mosaic_gpu", 16, MOSAIC_CALL),  # its pages gathered, then the contiguous kernel
+    ("auto", 64, "__gpu$xla.gpu.triton"),  # paged caches stay on Triton (not measured)
 ])
-def test_paged_lowers_for_an_h200(backend, expect):
+def test_paged_lowers_for_an_h200(backend, page_size, expect):
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
 
   def fn(q, k_pages, v_pages, off, table, cache):
     k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
     return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend=backend,
-                          interpret=False)
+                          interpret=False, return_lse=True)
 
-  text = lower_for_h200(fn, *_paged_mha()).as_text()
+  text = lower_for_h200(fn, *_paged_mha(page_size=page_size)).as_text()
   assert f"custom_call @{expect}(" in text
   other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
   assert f"custom_call @{other}(" not in text
+
+
+def test_native_paged_operands():
+  """Pages of MIN_NATIVE_PAGE rows or more go to the kernel as they are, with page ids
+  clamped, each sequence's last V tile (rows past its keys zeroed: stale rows are NaN
+  here) and each item's sequence in the table."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  page_size, num_pages, bkv = 64, 7, 64
+  v = rng.standard_normal((num_pages, page_size, 2, 64)).astype(np.float32)
+  v[:, 50:] = np.nan
+  table = np.array([[2, 10**6], [4, 0], [6, 6]], np.int32)
+  cache = np.array([10, 70, 0], np.int32)
+  q_off = np.array([0, 40, 45, 45], np.int32)  # new rows 40, 5, 0 -> keys 50, 75, 0
+  q = jnp.zeros((45, 4, 64), jnp.bfloat16)
+  config = pp.MosaicConfig(block_q=64, block_kv=bkv, num_stages=2)
+  pages = jnp.asarray(v, jnp.bfloat16)
+  inputs, _, _ = mosaic.operands(
+      [q], [pages], pages, jnp.asarray(q_off), None, None, mask=masks.CausalMask(),
+      return_lse=False, config=config, paged_cache=(jnp.asarray(cache), 2 * page_size),
+      block_table=jnp.asarray(table))
+  meta, scalars, v_last, ids = (np.asarray(x, np.float32) for x in
+                                (inputs[0], inputs[1], inputs[-2], inputs[-1]))
+  np.testing.assert_array_equal(ids, np.minimum(table, num_pages - 1))
+  assert scalars[1] == -1  # no 8-row key group is special
+  for b, kv_len in enumerate([50, 75, 0]):
+    last = max(kv_len - 1, 0) // bkv
+    positions = last * bkv + np.arange(bkv)
+    want = np.asarray(pages, np.float32)[min(table[b, last], num_pages - 1)]
+    want = np.where((positions < kv_len)[:, None, None], want, 0.0)
+    np.testing.assert_array_equal(v_last[b], want)
+  live = meta[:int(scalars[0])]
+  q_start = live[:, mosaic._Q_START]
+  np.testing.assert_array_equal(live[:, mosaic._SEQ],
+                                np.searchsorted(q_off[1:], q_start, side="right"))
+  assert (live[:, mosaic._KV_START] == 0).all()
+
+
+def test_paged_mla_lowers_for_an_h200():
+  """MLA's three paged operands (the rope key shared by all heads), read page by page."""
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+  def fn(q, kn, kr, v, off, table, cache):
+    paged = [pp.PagedKV(x, table, cache) for x in (kn, kr, v)]
+    return pp.mla_prefill(q, *paged, off, max_prompt_len=4096, backend="mosaic_gpu",
+                          interpret=False)
+
+  text = lower_for_h200(fn, s((1000, 16, 192), bf), s((40, 128, 16, 128), bf),
+                        s((40, 128, 1, 64), bf), s((40, 128, 16, 128), bf),
+                        s((6,), jnp.int32), s((5, 12), jnp.int32),
+                        s((5,), jnp.int32)).as_text()
+  assert f"custom_call @{MOSAIC_CALL}(" in text
