@@ -33,7 +33,7 @@ from benchmarks import workloads as wl
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 TOLERANCE = 2e-2
-DEFAULT_WORKLOADS = [n for n in wl.WORKLOADS if n not in wl.SMOKE]
+DEFAULT_WORKLOADS = [n for n in wl.WORKLOADS if n not in wl.SMOKE + wl.EXTRA]
 
 
 def bench_jax(fn, arg_sets, rounds=5, reps=20) -> float:

@@ -3,6 +3,7 @@ class) on the GPU and writes the winners into pallas_prefill/tuned.py, which con
 reads (keyed by the device kind).
 
     python -m benchmarks.tune [--kernels mha mla] [--backend triton|mosaic_gpu] [--write]
+                              [--mosaic-configs 128x2 64x3 ...]
 
 With --backend mosaic_gpu it sweeps MosaicConfig instead and records, per entry, whether
 the winner beat the Triton kernel's tuned default on the same workloads (what
@@ -42,6 +43,12 @@ MOSAIC_SWEEP = [pp.MosaicConfig(64, bk, s, n) for bk, s in ((128, 2), (64, 2), (
 CLASSES = {False: ("short64",), True: ("equal4x4096", "skew16_16k")}  # long prompts?
 DEPTHS = {"mha": (sy.MHA_SHAPE["qk"], sy.MHA_SHAPE["v"]),
           "mla": (sy.MLA_SHAPE["nope"] + sy.MLA_SHAPE["rope"], sy.MLA_SHAPE["v"])}
+
+
+def mosaic_config(text: str) -> pp.MosaicConfig:
+  """"128x2" -> MosaicConfig(block_kv=128, num_stages=2) (``--mosaic-configs``)."""
+  block_kv, stages = text.lower().split("x")
+  return pp.MosaicConfig(block_kv=int(block_kv), num_stages=int(stages))
 
 
 def candidate_tflops(kind, workload_names, cfg, backend="triton") -> float | None:
@@ -107,6 +114,9 @@ def main(argv=None):
   parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
   parser.add_argument("--backend", default="triton", choices=["triton", "mosaic_gpu"])
   parser.add_argument("--write", action="store_true", help="update pallas_prefill/tuned.py")
+  parser.add_argument("--mosaic-configs", nargs="*", type=mosaic_config, default=MOSAIC_SWEEP,
+                      metavar="BKVxSTAGES",
+                      help="the MosaicConfigs to sweep (block_kv x num_stages, persistent)")
   args = parser.parse_args(argv)
   mosaic = args.backend == "mosaic_gpu"
   device = jax.devices()[0].device_kind
@@ -115,7 +125,7 @@ def main(argv=None):
     qk, v = DEPTHS[kind]
     for long, names in CLASSES.items():
       scored = [(candidate_tflops(kind, names, cfg, args.backend), cfg)
-                for cfg in (MOSAIC_SWEEP if mosaic else SWEEP)]
+                for cfg in (args.mosaic_configs if mosaic else SWEEP)]
       scored = [(s, cfg) for s, cfg in scored if s is not None]
       if not scored:
         print(f"{kind} long={long}: no candidate passed", flush=True)

@@ -45,11 +45,22 @@ WORKLOADS = {
         "chunked8x512_page64", (512,) * 8,
         kv_lens=tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120, 6144, 8192)),
         page_size=64),
+    # Paged caches at other sizes, for the backends' choice on them (not in the default
+    # run): 16-row pages (the Mosaic GPU backend gathers them), and short prompts over
+    # 512-token cached prefixes.
+    "chunked8x512_page16": Workload(
+        "chunked8x512_page16", (512,) * 8,
+        kv_lens=tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120, 6144, 8192)),
+        page_size=16),
+    "short64_prefix512_page64": Workload(
+        "short64_prefix512_page64", tuple(WORKLOADS_LENGTHS["short64"]),
+        kv_lens=tuple(n + 512 for n in WORKLOADS_LENGTHS["short64"]), page_size=64),
     # A few hundred tokens: the harness's own CPU tests (interpret mode) run these.
     "tiny": Workload("tiny", (37, 1, 100)),
     "tiny_paged": Workload("tiny_paged", (37, 1, 100), kv_lens=(50, 1, 130), page_size=16),
 }
 SMOKE = ("tiny", "tiny_paged")
+EXTRA = ("chunked8x512_page16", "short64_prefix512_page64")  # on request only
 
 
 def offsets(lengths) -> np.ndarray:

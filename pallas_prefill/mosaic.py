@@ -97,15 +97,35 @@ CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
-def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
-  """Shared memory the kernel allocates for these operands and tiles."""
+def _smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
+                out_buffers: int) -> int:
   item = jnp.dtype(dtype).itemsize
   qk = sum(p.width for p in parts)
   q = COMPUTE_WGS * config.block_q * qk * item
-  o = COMPUTE_WGS * config.block_q * v_depth * jnp.dtype(output_dtype).itemsize
+  o = COMPUTE_WGS * config.block_q * CHUNK * out_buffers * jnp.dtype(output_dtype).itemsize
   kv = config.num_stages * config.block_kv * (qk + v_depth) * item
   lse = COMPUTE_WGS * config.block_q * 4 if return_lse else 0
-  return q + o + kv + lse + 4096  # barriers, alignment (2.6 KiB seen at MHA d128)
+  # barriers and alignment: 2136 to 2648 bytes seen (MLA with 128-row K/V tiles in two
+  # stages, without and with the LSE; about 2.6 KiB at MHA d128)
+  return q + o + kv + lse + 3072
+
+
+def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
+                   config: MosaicConfig) -> int:
+  """The 64-column output buffers per compute warpgroup: one per accumulator, or where
+  shared memory holds no more (MLA's 192 + 128 with 128-row K/V tiles in two stages), one,
+  filled and stored a column chunk at a time."""
+  full = v_depth // CHUNK
+  if _smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
+                 full) <= SMEM_BYTES:
+    return full
+  return 1
+
+
+def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
+  """Shared memory the kernel allocates for these operands and tiles."""
+  return _smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
+                     output_buffers(parts, v_depth, dtype, output_dtype, return_lse, config))
 
 
 def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
@@ -418,7 +438,8 @@ def num_programs(num_units_bound: int, config: MosaicConfig) -> int:
 
 
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
-            block_q, block_kv, num_stages, group, num_heads, out_dtype, page_size=None):
+            block_q, block_kv, num_stages, group, num_heads, out_dtype, out_buffers,
+            page_size=None):
   # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
   # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
   # last V tile with the rows past its keys zeroed, and the block table follows it.
@@ -448,8 +469,8 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       [chunk_buffer((COMPUTE_WGS, block_q, CHUNK)) for _ in chunks],
       [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in chunks],
       [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in range(v_depth // CHUNK)],
-      # The output, one buffer per 64 columns (one per accumulator).
-      [plgpu.SMEM((COMPUTE_WGS, block_q, CHUNK), out_dtype) for _ in range(v_depth // CHUNK)],
+      # The output: ``out_buffers`` buffers of 64 columns (one per accumulator, or fewer).
+      [plgpu.SMEM((COMPUTE_WGS, block_q, CHUNK), out_dtype) for _ in range(out_buffers)],
       plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
   ]
   barriers = [
@@ -605,27 +626,30 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         l_safe = jnp.where(seen, l_i, 1.0)
         out = [(a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(out_dtype)
                for a in acc]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read
-        for buf, part in zip(o_smem, out):
-          buf[...] = part
-        if has_lse:
-          lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
-                                    ragged.EMPTY_ROW_LSE)
-        plgpu.commit_smem()
-        # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
-        size = block_q
-        while size >= 1:
-          take = (n_rows & size) != 0
+        # The output buffers take len(o_smem) accumulators at a time: all of them, or one
+        # (``output_buffers``), refilled once the previous column chunk's stores read it.
+        for g in range(0, len(out), len(o_smem)):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read
+          for buf, part in zip(o_smem, out[g:]):
+            buf[...] = part
+          if has_lse and g == 0:
+            lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * ragged.LN_2,
+                                      ragged.EMPTY_ROW_LSE)
+          plgpu.commit_smem()
+          # Row-exact store of rows [first, first + n_rows): one TMA per set bit of n_rows.
+          start, size = first, block_q
+          while size >= 1:
+            take = (n_rows & size) != 0
 
-          @pl.when(take)
-          def _store(first=first, size=size):
-            for c, buf in enumerate(o_smem):
-              plgpu.copy_smem_to_gmem(
-                  buf.at[pl.ds(first, size)],
-                  o_ref.at[pl.ds(row + first, size), h, pl.ds(c * CHUNK, CHUNK)])
+            @pl.when(take)
+            def _store(start=start, size=size, g=g):
+              for c, buf in enumerate(o_smem):
+                plgpu.copy_smem_to_gmem(
+                    buf.at[pl.ds(start, size)],
+                    o_ref.at[pl.ds(row + start, size), h, pl.ds((g + c) * CHUNK, CHUNK)])
 
-          first = first + jnp.where(take, size, 0)
-          size //= 2
+            start = start + jnp.where(take, size, 0)
+            size //= 2
         if has_lse:
           plgpu.copy_smem_to_gmem(
               lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
@@ -804,7 +828,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
-      out_dtype=jnp.dtype(output_dtype), page_size=page_size)
+      out_dtype=jnp.dtype(output_dtype), page_size=page_size,
+      out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config))
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))

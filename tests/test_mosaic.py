@@ -416,6 +416,24 @@ def test_default_configs_fit_shared_memory():
 
 
 
+def test_one_output_buffer_where_shared_memory_holds_no_more():
+  """MLA's 192 + 128 with 128-row K/V tiles in two stages leaves room for one 64-column
+  output buffer per warpgroup (filled and stored a column chunk at a time); with the LSE's
+  buffer as well, for none, and the config is refused. Other shapes get one per 64
+  columns of V."""
+  mla = [ragged.QkPart(0, 0, 0, 0, 128), ragged.QkPart(0, 0, 0, 0, 64)]
+  mha = [ragged.QkPart(0, 0, 0, 0, 128)]
+  wide = pp.MosaicConfig(block_kv=128, num_stages=2)
+  bf16 = jnp.bfloat16
+  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, wide) == 1
+  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, pp.MosaicConfig(64, 64, 3)) == 2
+  assert mosaic.output_buffers(mha, 128, bf16, bf16, True, wide) == 2
+  assert mosaic.smem_bytes(mla, 128, bf16, bf16, False, wide) <= mosaic.SMEM_BYTES
+  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, None, wide) is not None
+  with pytest.raises(NotImplementedError, match="shared memory"):
+    Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=wide).lower()
+
+
 # ---------------------------------------------------------------------------------------
 # Lowering for an abstract H200: Mosaic GPU's own checks (TMA alignment and tiling,
 # shared memory, layouts) run here, without a GPU.
@@ -481,6 +499,9 @@ LOWERED = [
     # One persistent program; one unit per program (the GPU schedules them).
     Lowered(lse=True, sink=True, config=pp.MosaicConfig(num_programs=1)),
     Lowered(config=pp.MosaicConfig(block_kv=64, num_stages=3, num_programs=2**31 - 1)),
+    # MLA with one output buffer per warpgroup (test_one_output_buffer_where_...)
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001,
+            config=pp.MosaicConfig(block_kv=128, num_stages=2)),
 ]
 
 
