@@ -122,11 +122,14 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   return MosaicConfig(block_kv=128, num_stages=2)
 
 
-def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int) -> bool:
+def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
+                   paged: bool = False) -> bool:
   """Whether ``backend="auto"`` picks Mosaic GPU: the tuned table's verdict for the device
-  (the last field of an entry: measured faster than Triton on the H200)."""
+  (the last field of an entry: measured faster than Triton on the H200), and on a paged
+  cache any shape the table has for the device (Mosaic GPU measured 1.36x to 2.0x Triton
+  on every paged workload of the harness, short prompts included: BUILD_NOTES.md)."""
   tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
-  return tuned is not None and tuned[4]
+  return tuned is not None and (tuned[4] or paged)
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

@@ -452,6 +452,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   o_ref = refs[0]
   lse_ref = refs[1] if has_lse else None
   v_depth = v_ref.shape[-1]
+  v_chunks = v_depth // CHUNK  # V's 64-column buffers, one accumulator each
   dtype = v_ref.dtype
   chunks = column_chunks(parts)
 
@@ -468,7 +469,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   scratch = [
       [chunk_buffer((COMPUTE_WGS, block_q, CHUNK)) for _ in chunks],
       [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in chunks],
-      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in range(v_depth // CHUNK)],
+      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in range(v_chunks)],
       # The output: ``out_buffers`` buffers of 64 columns (one per accumulator, or fewer).
       [plgpu.SMEM((COMPUTE_WGS, block_q, CHUNK), out_dtype) for _ in range(out_buffers)],
       plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
@@ -477,7 +478,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=num_stages),  # K loaded
       # V loaded: two copies per chunk (``_load_rows``), one per chunk from pages
-      plgpu.Barrier(num_arrivals=(1 if page_size else 2) * (v_depth // CHUNK),
+      plgpu.Barrier(num_arrivals=(1 if page_size else 2) * v_chunks,
                     num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
@@ -515,10 +516,14 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       o_smem = [o.at[wg] for o in o_smems]
       lse_smem = lse_smem2.at[wg] if has_lse else None
 
+      def first_row(meta):
+        """This warpgroup's first Q row in an item (a multiple of 8)."""
+        return (meta(_ROW8) + wg * (block_q // 8)) * 8
+
       def load_q(k):
         """TMA of local unit k's Q rows of this warpgroup (the Q buffer must be free)."""
         h, _, meta, _, _ = item_of(k)
-        row = (meta(_ROW8) + wg * (block_q // 8)) * 8
+        row = first_row(meta)
         for (part, col), s in zip(chunks, q_fill):
           plgpu.copy_gmem_to_smem(
               q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col + col, CHUNK)],
@@ -535,7 +540,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         q_start, q_len = meta(_Q_START), meta(_Q_LEN)
         col = lambda j: meta(_WG_COLS + 4 * wg + j)  # noqa: E731
         t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
-        row = (meta(_ROW8) + wg * (block_q // 8)) * 8  # this warpgroup's first row
+        row = first_row(meta)
         first = jnp.clip(q_start - row, 0, block_q)  # rows before it: a neighbour's
         n_rows = jnp.clip(q_start + q_len - row, 0, block_q) - first
         row_pos = kv_len - q_len + row - q_start  # position of the row `row`

@@ -346,12 +346,11 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
     if reason is not None:
       raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
     return mosaic_config
-  # "auto" (paged caches stay on Triton: the Mosaic GPU backend gathers their pages first,
-  # and that has not been measured against Triton's reads from the pages)
-  if interpret or reason is not None or isinstance(config, MhaConfig) or paged is not None:
+  # "auto"
+  if interpret or reason is not None or isinstance(config, MhaConfig):
     return None
-  if isinstance(config, MosaicConfig) or prefers_mosaic(qk, v.shape[-1], v.dtype, mask,
-                                                         max_prompt_len):
+  if isinstance(config, MosaicConfig) or prefers_mosaic(
+      qk, v.shape[-1], v.dtype, mask, max_prompt_len, paged=paged is not None):
     return mosaic_config
   return None
 

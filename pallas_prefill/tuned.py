@@ -22,6 +22,6 @@ TUNED_MOSAIC = {
         (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, False),
         (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),
         (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, None, True),
-        (192, 128, "bfloat16", "CausalMask", True): (64, 64, 3, None, True),
+        (192, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),
     },
 }

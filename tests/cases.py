@@ -245,7 +245,8 @@ def mosaic_variant(case: Case) -> Case:
 def mosaic_serves(case: Case) -> bool:
   """Whether backend="mosaic_gpu" takes the case (else it must refuse it with
   NotImplementedError): bf16/f16, every depth padding to a multiple of 64, and tiles that
-  fit shared memory (not MHA at depth 256); contiguous or paged K/V."""
+  fit shared memory (not MHA at depth 256 with both the LSE and a float32 output);
+  contiguous or paged K/V."""
   pad = ragged.padded_depth
   dv = case.head_dim_v or case.head_dim
   depths = [case.head_dim, dv] + ([case.rope_dim] if case.kind == "mla" else [])
@@ -254,4 +255,5 @@ def mosaic_serves(case: Case) -> bool:
     depths = [pad(case.head_dim), pad(case.rope_dim), dv]
   return (case.dtype in ("bfloat16", "float16")
           and all(pad(d) % 64 == 0 for d in depths)
-          and not (case.kind == "mha" and max(case.head_dim, dv) > 128))
+          and not (case.kind == "mha" and max(case.head_dim, dv) > 128 and case.lse
+                   and case.output_dtype == "float32"))
