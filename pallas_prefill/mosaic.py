@@ -41,7 +41,9 @@ The ragged parts, which the dense kernel has none of:
   a neighbour's rows. The LSE goes to a per-item buffer that XLA gathers back into rows.
   (One output buffer per accumulator, not one buffer written a column slice at a time:
   the sliced stores into the warpgroup's buffer gave a wrong second half on the H200
-  that interpret mode does not show, BUILD_NOTES.md.)
+  that interpret mode does not show, BUILD_NOTES.md. Where shared memory holds only one
+  buffer, as for MLA with 128-row K/V tiles in two stages, ``output_buffers``, that one
+  is filled and stored a column chunk at a time.)
 
 Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts and V of
 depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V

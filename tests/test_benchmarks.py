@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import run, workloads as wl
+import pallas_prefill as pp
 from pallas_prefill import masks
 
 
@@ -40,6 +41,19 @@ def test_harness_smoke_run_writes_results(tmp_path, capsys):
     assert r["backend"] == ("" if r["system"] == "xla_padded" else "triton")
     assert r["correct"] and r["relerr"] < 1e-2 and r["ms"] > 0 and r["tflops"] > 0
   assert "| mha | tiny | pallas_prefill | triton |" in (tmp_path / "results.md").read_text()
+
+
+def test_tuner_parses_mosaic_configs_and_extra_workloads_run_on_request():
+  from benchmarks import tune  # pylint: disable=g-import-not-at-top
+  assert tune.mosaic_config("128x2") == pp.MosaicConfig(block_kv=128, num_stages=2)
+  assert tune.mosaic_config("64X3") == pp.MosaicConfig(block_kv=64, num_stages=3)
+  with pytest.raises(ValueError):
+    tune.mosaic_config("64x1")  # MosaicConfig's own check: at least two stages
+  for name in wl.EXTRA:
+    assert name in wl.WORKLOADS and name not in run.DEFAULT_WORKLOADS
+    w = wl.WORKLOADS[name]
+    assert w.page_size and len(w.kv_lens) == len(w.q_lens)
+    assert all(k >= q for q, k in zip(w.q_lens, w.kv_lens))
 
 
 def test_tuner_writes_a_table_config_reads(tmp_path):
