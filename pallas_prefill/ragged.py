@@ -329,7 +329,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
   NotImplementedError when the Mosaic GPU kernel cannot serve the case (the reason says
   why). "auto" is Mosaic GPU where the tuned table for the device says it is the faster
-  one and it can serve the case, on the GPU (never in interpret mode); Triton otherwise.
+  one (on a paged cache: wherever the table has the shape, ``config.prefers_mosaic``) and
+  it can serve the case, on the GPU (never in interpret mode); Triton otherwise.
   """
   if backend == "triton":
     return None
