@@ -459,12 +459,13 @@ class Lowered:
   lse: bool = False
   output_dtype: str | None = None
   config: pp.MosaicConfig | None = None
+  max_prompt_len: int = 512  # > config.LONG_PROMPT (1024): the long-prompt tuned entry
 
   def lower(self):
     dt, s = jnp.dtype(self.dtype), jax.ShapeDtypeStruct
     kv_rows = self.total_kv or self.total_q
     off = s((6,), jnp.int32)
-    kw = dict(max_prompt_len=512, mask=self.mask, return_lse=self.lse,
+    kw = dict(max_prompt_len=self.max_prompt_len, mask=self.mask, return_lse=self.lse,
               output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu",
               config=self.config)
     kv_off = off if self.total_kv else None
@@ -506,6 +507,11 @@ LOWERED = [
     # MLA with one output buffer per warpgroup (test_one_output_buffer_where_...)
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001,
             config=pp.MosaicConfig(block_kv=128, num_stages=2)),
+    # Long prompts' defaults: MLA 128-row K/V tiles in two stages (one output buffer),
+    # cut to 64-row tiles with the LSE; MHA likewise
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, max_prompt_len=4096),
+    Lowered(kind="mla", heads=16, kv_heads=16, lse=True, max_prompt_len=4096),
+    Lowered(lse=True, sink=True, max_prompt_len=4096),
 ]
 
 
