@@ -342,7 +342,7 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
         default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
         v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
-                                     paged is not None, mosaic_config)
+                                     mosaic_config)
   if backend == "mosaic_gpu":  # validation refused interpret mode
     if reason is not None:
       raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")

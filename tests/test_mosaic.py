@@ -430,8 +430,8 @@ def test_one_output_buffer_where_shared_memory_holds_no_more():
   assert mosaic.output_buffers(mla, 128, bf16, bf16, False, pp.MosaicConfig(64, 64, 3)) == 2
   assert mosaic.output_buffers(mha, 128, bf16, bf16, True, wide) == 2
   assert mosaic.smem_bytes(mla, 128, bf16, bf16, False, wide) <= mosaic.SMEM_BYTES
-  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, None, wide) is not None
-  assert mosaic.unsupported_reason(mla, 128, bf16, jnp.float32, False, None, wide) is not None
+  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, wide) is not None
+  assert mosaic.unsupported_reason(mla, 128, bf16, jnp.float32, False, wide) is not None
   with pytest.raises(NotImplementedError, match="shared memory"):
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=wide).lower()
 
