@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill import ragged  # its numeric constants (ragged imports this module)
@@ -96,6 +97,11 @@ _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
 UNIT_COST_TILES = 1
 HEAD_MAJOR_SLACK = 1.05
 CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
+# The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
+# (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
+# barrier 0 and 1 + the warpgroup index.
+TURN_BARRIER = 4
+NAMED_TURNS = True  # False: one mbarrier both warpgroups arrive at and wait on (JAX's)
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -439,9 +445,20 @@ def num_programs(num_units_bound: int, config: MosaicConfig) -> int:
   return max(1, min(programs, num_units_bound))
 
 
+def _named_barrier(op: str, barrier_id, threads: int = 2 * 128):
+  """PTX ``bar.{op}`` ("arrive" or "sync") on a named barrier whose id is traced."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def bar(_, idx):
+    mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", idx.registers[()],
+                          has_side_effects=True, convergent=True)
+
+  bar(jnp.asarray(barrier_id, jnp.int32))
+
+
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_stages, group, num_heads, out_dtype, out_buffers,
-            page_size=None):
+            page_size=None, named_turns=True):
   # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
   # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
   # last V tile with the rows past its keys zeroed, and the block table follows it.
@@ -484,7 +501,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                     num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn (not named_turns)
   ]
 
   def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, q_bars, k_bars, v_bars, k_used,
@@ -509,6 +526,39 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     def sync():
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
+
+    # Tensor-core turns. A warpgroup's P.V waits until the other has issued its Q.K, so
+    # that the matrix products alternate between the two and one's softmax overlaps the
+    # other's products: after issuing Q.K, ``qk_issued``; then ``pv_turn`` around waiting
+    # for V. Each item starts with warpgroup 1 one turn behind (``start_turns``), and ends
+    # with the two meeting at warpgroup 1's last turn (``end_turns``: warpgroup 0 must
+    # not signal twice before warpgroup 1 has taken the first signal).
+    if named_turns:
+      def qk_issued():
+        _named_barrier("arrive", TURN_BARRIER + 1 - wg)
+
+      def pv_turn(wait_v):
+        wait_v()
+        _named_barrier("sync", TURN_BARRIER + wg)
+
+      def start_turns():
+        pl.when(wg == 1)(lambda: _named_barrier("sync", TURN_BARRIER + wg))
+
+      def end_turns():
+        pl.when(wg == 0)(lambda: _named_barrier("sync", TURN_BARRIER + 1 - wg))
+    else:
+      qk_issued = sync
+
+      def pv_turn(wait_v):
+        plgpu.barrier_arrive(schedule)
+        wait_v()
+        plgpu.barrier_wait(schedule)
+
+      def start_turns():
+        pl.when(wg == 1)(sync)
+
+      def end_turns():
+        pl.when(wg == 0)(sync)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -559,15 +609,14 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, CHUNK), jnp.float32), layout)
                     for _ in v_smems)
 
-        pl.when(wg == 1)(sync)
+        start_turns()
 
         def skip(i, carry):
           plgpu.barrier_wait(k_bars.at[slot(i)])
           plgpu.barrier_arrive(k_used.at[slot(i)])
-          sync()
-          plgpu.barrier_wait(v_bars.at[slot(i)])
+          qk_issued()
+          pv_turn(lambda: plgpu.barrier_wait(v_bars.at[slot(i)]))
           plgpu.barrier_arrive(v_used.at[slot(i)])
-          sync()
           return carry
 
         def step(i, carry, *, masked):
@@ -577,7 +626,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           def qk(acc_ref):
             for qs, (_, ks) in zip(q_smem, k_smems):
               plgpu.wgmma(acc_ref, qs, ks.at[slot(i)].transpose((1, 0)))
-            sync()
+            qk_issued()
             return acc_ref[...]
 
           s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -600,13 +649,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
           if v_depth <= 128:
             l_i = l_i + p.sum(axis=1)
             acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_bars.at[slot(i)])
-            plgpu.barrier_wait(schedule)
+            pv_turn(lambda: plgpu.barrier_wait(v_bars.at[slot(i)]))
           else:
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_bars.at[slot(i)])
-            plgpu.barrier_wait(schedule)
+            pv_turn(lambda: plgpu.barrier_wait(v_bars.at[slot(i)]))
             l_i = l_i + p.sum(axis=1)
 
           def pv(acc_refs):
@@ -624,7 +669,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(u_hi, t_hi, masked_step, carry)
         lax.fori_loop(t_hi, item_hi, skip, None)
-        pl.when(wg == 0)(sync)
+        end_turns()
         # The matrix products are done with this Q: the next item's loads while this one
         # is written out.
         pl.when(k + 1 < n_local)(lambda: load_q(k + 1))
@@ -835,7 +880,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
-      out_dtype=jnp.dtype(output_dtype), page_size=page_size,
+      out_dtype=jnp.dtype(output_dtype), page_size=page_size, named_turns=NAMED_TURNS,
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config))
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
