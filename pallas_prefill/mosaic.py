@@ -33,9 +33,10 @@ The ragged parts, which the dense kernel has none of:
   repeats and those before the sequence are masked. (Not before row 0: tiled TMA
   coordinates are unsigned.) Rows past the batch's last key may hold anything, NaN
   included, and 0 * NaN would poison P.V: the group holding that key comes from
-  ``v_tail``, a copy with the rows past it zeroed. One gap remains: when all of the
-  batch's keys lie in the first ``block_kv - 8`` rows of longer K/V arrays, the clamped
-  first tile reads V rows past the last key, which must then be finite.
+  ``v_tail``, a copy of the tile that ends with that group, rows past the key zeroed.
+  When all of the batch's keys lie in the first ``block_kv - 8`` rows, every tile is
+  the one at row 0, which reaches past that group; it then comes from ``v_tail`` whole
+  (``v_tail`` is then rows [0, block_kv), rows past the key zeroed).
 - Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
   rows, for each 64-column output buffer), as JAX's ragged_dot does, so no store touches
   a neighbour's rows. The LSE goes to a per-item buffer that XLA gathers back into rows.
@@ -772,12 +773,23 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
           # V in two copies per 64 columns: when a tile's last 8 rows are the last key's
           # group, they come from v_tail, whose rows past that key are zeros (0 * NaN is
-          # NaN).
+          # NaN). When the batch's keys end before the last group of the tile at row 0
+          # (every tile is that one), the whole tile comes from v_tail.
+          head_tile = (start == 0) & (tail8 < block_kv // 8 - 1)
           for c, (vs, _) in enumerate(v_smems):
             cols = pl.ds(c * CHUNK, CHUNK)
-            _load_rows(lambda rows, cols=cols: v_ref.at[rows, kv_head, cols],
-                       v_tail_ref.at[:, kv_head, cols], block_kv, start, vs.at[slot],
-                       v_bars.at[slot], tail_group=tail8)
+            tail = lambda rows, cols=cols: v_tail_ref.at[rows, kv_head, cols]  # noqa: E731
+
+            @pl.when(head_tile)
+            def _(vs=vs, tail=tail):
+              for rows in (pl.ds(0, block_kv - 8), pl.ds(block_kv - 8, 8)):
+                plgpu.copy_gmem_to_smem(tail(rows), vs.at[slot].at[rows], v_bars.at[slot])
+
+            @pl.when(jnp.logical_not(head_tile))
+            def _(vs=vs, tail=tail, cols=cols):
+              _load_rows(lambda rows: v_ref.at[rows, kv_head, cols],
+                         tail(pl.ds(block_kv - 8, 8)), block_kv, start, vs.at[slot],
+                         v_bars.at[slot], tail_group=tail8)
 
         return base + item_hi - item_lo
 
@@ -834,8 +846,11 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
     inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
     return inputs, (lse_slot if return_lse else None), programs
   scalars = jnp.stack([n_live, _floor8(kv_end) // 8, head_major]).astype(jnp.int32)
-  # The 8-row group holding the last key, rows past it zeroed.
-  tail_rows = _floor8(kv_end) + jnp.arange(8, dtype=jnp.int32)
+  # The tile ending with the 8-row group that holds the last key, or the tile at row 0
+  # when that group ends before it does; rows past the last key zeroed.
+  bkv = config.block_kv
+  first = jnp.maximum(_floor8(kv_end) + 8 - bkv, 0)
+  tail_rows = first + jnp.arange(bkv, dtype=jnp.int32)
   v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
                      v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
   # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output

@@ -131,15 +131,24 @@ def test_mosaic_garbage_offsets_stay_finite():
     assert jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all()
 
 
-def test_mosaic_ignores_nan_past_the_last_key():
-  """K/V rows past kv_offsets[-1] may hold anything: NaN there must not reach the output
-  (the kernel never multiplies a V row it cannot see)."""
-  case = cases.Case(lens=(100, 37, 61), kv_lens=(120, 5, 59), head_dim=128, lse=True,
-                    config=None)
+@pytest.mark.parametrize("case", [
+    cases.Case(lens=(100, 37, 61), kv_lens=(120, 5, 59), head_dim=128, lse=True,
+               config=None),
+    # every key in the first block_kv - 8 rows: the one tile, at row 0, reaches past them
+    cases.Case(lens=(5, 20, 13), head_dim=128, lse=True, extra_rows=150, config=None),
+    cases.Case(lens=(1,), head_dim=128, extra_rows=200, mask=masks.NullMask(), config=None),
+    cases.Case(kind="mla", lens=(9, 30), heads=4, kv_heads=4, head_dim=128, rope_dim=64,
+               extra_rows=140, config=None),
+], ids=lambda c: c.name)
+def test_mosaic_ignores_nan_past_the_last_key(case):
+  """K/V rows past the batch's last key may hold anything: NaN there must not reach the
+  output (the kernel never multiplies a V row it cannot see), however few the keys."""
   args, kwargs, last_row = cases.make_inputs(case, cases.fresh_seed())
-  q, k, v, q_off = args
-  kv_end = int(kwargs["kv_input_row_offsets"][-1])
-  expected = pp.reference.mha_prefill_reference(*args, **kwargs)
-  k, v = (x.at[kv_end:].set(jnp.nan) for x in (k, v))
-  result = pp.mha_prefill(q, k, v, q_off, interpret=False, backend="mosaic_gpu", **kwargs)
+  kv_off = kwargs.get("kv_input_row_offsets")
+  kv_end = int(args[-1][-1] if kv_off is None else kv_off[-1])
+  entry, reference = cases.ENTRY_POINTS[case.kind]
+  expected = reference(*args, **kwargs)
+  poisoned = (args[0], *[x.at[kv_end:].set(jnp.nan) for x in args[1:-1]], args[-1])
+  assert poisoned[-2].shape[0] > kv_end, "no rows past the last key to poison"
+  result = entry(*poisoned, interpret=False, backend="mosaic_gpu", **kwargs)
   cases.check_outputs(case, result, expected, last_row, 0)

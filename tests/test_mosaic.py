@@ -136,6 +136,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
         if native is not None:
           if i == max(kv_len - 1, 0) // bkv:  # the sequence's last tile, from v_last
             vt = np.where((start + np.arange(bkv) < kv_len)[:, None], vt, 0.0)
+        elif start == 0 and kv_end // 8 < bkv // 8 - 1:  # the tile at row 0, from v_tail
+          vt[np.arange(bkv) >= kv_end] = 0.0
         elif start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
           tail_rows = start + bkv - 8 + np.arange(8)
           vt[bkv - 8:][tail_rows >= kv_end] = 0.0
@@ -189,6 +191,37 @@ def check_emulated(case, config, args, kwargs, last_row, *, tag):
   out, lse = emulate(case, args, kwargs, config)
   _, reference = cases.ENTRY_POINTS[case.kind]
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True, output_dtype=jnp.float32))
+  assert np.isfinite(out).all(), tag
+  assert cases.rel_err(out, ref_out) < 1e-4, tag
+  np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
+  assert not out[last_row:].any(), tag
+
+
+@pytest.mark.parametrize("case", [
+    # every key in the first block_kv - 8 rows: each tile is the one at row 0
+    cases.Case(lens=(5, 20, 13), head_dim=64, lse=True, extra_rows=150, config=None),
+    cases.Case(lens=(1,), head_dim=64, extra_rows=200, mask=masks.NullMask(), config=None),
+    # the last key's group the last of the tile at row 0, and beyond it
+    cases.Case(lens=(100, 21), head_dim=64, extra_rows=90, config=None),
+    cases.Case(lens=(300, 7), kv_lens=(310, 90), head_dim=64, lse=True, config=None),
+    cases.Case(kind="mla", lens=(9, 30), heads=2, kv_heads=2, head_dim=64, rope_dim=64,
+               extra_rows=140, config=None),
+], ids=lambda c: c.name)
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_schedule_ignores_nan_past_the_last_key(case, block_kv):
+  """K/V rows past the batch's last key may hold anything: with NaN there the emulated
+  kernel stays finite and right, however few the keys (0 * NaN in P.V would spread)."""
+  seed = cases.fresh_seed()
+  args, kwargs, last_row = cases.make_inputs(case, seed)
+  kv_off = kwargs.get("kv_input_row_offsets")
+  kv_end = int(args[-1][-1] if kv_off is None else kv_off[-1])
+  _, reference = cases.ENTRY_POINTS[case.kind]
+  ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True,
+                                             output_dtype=jnp.float32))
+  poisoned = (args[0], *[x.at[kv_end:].set(jnp.nan) for x in args[1:-1]], args[-1])
+  assert poisoned[-2].shape[0] > kv_end, "no rows past the last key to poison"
+  out, lse = emulate(case, poisoned, kwargs, pp.MosaicConfig(block_kv=block_kv))
+  tag = f"{case.name} seed={seed}"
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
   np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
