@@ -3,13 +3,14 @@
 The structure is FlashAttention-3's, as in JAX's dense ``ops/gpu/attention_mgpu.py``: per
 program two compute warpgroups, each with ``block_q`` query rows, and one producer
 warpgroup that streams K/V tiles through ``num_stages`` shared-memory slots with TMA; the
-two compute warpgroups take turns on the tensor cores (a schedule barrier), so that one's
-softmax overlaps the other's matrix products. The kernel is persistent, as FA3's is: one
-program per SM runs its share of the (head, work item) units back to back, the K/V slots
-and barrier phases carried from one unit to the next, so that the producer streams the
-next unit's first tiles and each compute warpgroup loads its next Q while the last unit
-is finished and written out. ``program_unit`` deals the units out, item-major or, where
-that balances as well (``head_major_order``, per call), K/V-head-major for L2 reuse.
+two compute warpgroups take turns on the tensor cores (two hardware named barriers), so
+that one's softmax overlaps the other's matrix products. The kernel is persistent, as
+FA3's is: one program per SM runs its share of the (head, work item) units back to back,
+the K/V slots and barrier phases carried from one unit to the next, so that the producer
+streams the next unit's first tiles and each compute warpgroup loads its next Q while the
+last unit is finished and written out. ``program_unit`` deals the units out, item-major
+or, where that balances as well (``head_major_order``, per call), K/V-head-major for L2
+reuse.
 
 The ragged parts, which the dense kernel has none of:
 
@@ -102,7 +103,6 @@ CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 # (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
 # barrier 0 and 1 + the warpgroup index.
 TURN_BARRIER = 4
-NAMED_TURNS = True  # False: one mbarrier both warpgroups arrive at and wait on (JAX's)
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -459,7 +459,7 @@ def _named_barrier(op: str, barrier_id, threads: int = 2 * 128):
 
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_stages, group, num_heads, out_dtype, out_buffers,
-            page_size=None, named_turns=True):
+            page_size=None):
   # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
   # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
   # last V tile with the rows past its keys zeroed, and the block table follows it.
@@ -502,11 +502,10 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                     num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn (not named_turns)
   ]
 
   def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, q_bars, k_bars, v_bars, k_used,
-           v_used, schedule):
+           v_used):
     wg = lax.axis_index("wg")
     units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
                               num_heads=num_heads, group=group, n_live=scalar_ref[_S_LIVE],
@@ -524,42 +523,25 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       # base: the tiles this program's earlier items streamed through the slots.
       return lax.rem(base + i - item_lo, jnp.int32(num_stages))
 
-    def sync():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
+    # Tensor-core turns on two hardware named barriers. A warpgroup's P.V waits until the
+    # other has issued its Q.K, so that the matrix products alternate between the two and
+    # one's softmax overlaps the other's products: after issuing Q.K, ``qk_issued``; then
+    # ``pv_turn`` around waiting for V. Each item starts with warpgroup 1 one turn behind
+    # (``start_turns``), and ends with the two meeting at warpgroup 1's last turn
+    # (``end_turns``: warpgroup 0 must not signal twice before warpgroup 1 has taken the
+    # first signal).
+    def qk_issued():
+      _named_barrier("arrive", TURN_BARRIER + 1 - wg)
 
-    # Tensor-core turns. A warpgroup's P.V waits until the other has issued its Q.K, so
-    # that the matrix products alternate between the two and one's softmax overlaps the
-    # other's products: after issuing Q.K, ``qk_issued``; then ``pv_turn`` around waiting
-    # for V. Each item starts with warpgroup 1 one turn behind (``start_turns``), and ends
-    # with the two meeting at warpgroup 1's last turn (``end_turns``: warpgroup 0 must
-    # not signal twice before warpgroup 1 has taken the first signal).
-    if named_turns:
-      def qk_issued():
-        _named_barrier("arrive", TURN_BARRIER + 1 - wg)
+    def pv_turn(wait_v):
+      wait_v()
+      _named_barrier("sync", TURN_BARRIER + wg)
 
-      def pv_turn(wait_v):
-        wait_v()
-        _named_barrier("sync", TURN_BARRIER + wg)
+    def start_turns():
+      pl.when(wg == 1)(lambda: _named_barrier("sync", TURN_BARRIER + wg))
 
-      def start_turns():
-        pl.when(wg == 1)(lambda: _named_barrier("sync", TURN_BARRIER + wg))
-
-      def end_turns():
-        pl.when(wg == 0)(lambda: _named_barrier("sync", TURN_BARRIER + 1 - wg))
-    else:
-      qk_issued = sync
-
-      def pv_turn(wait_v):
-        plgpu.barrier_arrive(schedule)
-        wait_v()
-        plgpu.barrier_wait(schedule)
-
-      def start_turns():
-        pl.when(wg == 1)(sync)
-
-      def end_turns():
-        pl.when(wg == 0)(sync)
+    def end_turns():
+      pl.when(wg == 0)(lambda: _named_barrier("sync", TURN_BARRIER + 1 - wg))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -895,7 +877,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
-      out_dtype=jnp.dtype(output_dtype), page_size=page_size, named_turns=NAMED_TURNS,
+      out_dtype=jnp.dtype(output_dtype), page_size=page_size,
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config))
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
