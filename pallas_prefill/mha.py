@@ -53,8 +53,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       the CPU.
     backend: "triton" (default): the Pallas Triton kernel, any NVIDIA GPU and interpret
       mode. "mosaic_gpu": the Pallas Mosaic GPU kernel for Hopper (sm_90), bf16/f16,
-      depths that are multiples of 64, contiguous K/V; NotImplementedError says why a
-      call it cannot serve is refused. "auto": Mosaic GPU where the tuned table for the
+      depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
+      NotImplementedError says why a call it cannot serve is refused. "auto": Mosaic GPU where the tuned table for the
       device measured it faster and it can serve the call, Triton otherwise. Results
       agree to rounding; so do validation and the handling of garbage offsets.
 
