@@ -91,3 +91,28 @@ def test_scaling_measures_a_head_sharded_call(monkeypatch):
 def test_commit_prefers_the_environment(monkeypatch):
   monkeypatch.setenv("PALLAS_PREFILL_COMMIT", "abc1234")
   assert run.commit() == "abc1234"
+
+
+def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
+  """benchmarks.layers in interpret mode: L layers' calls under one jit give each layer's
+  single-call output, and the kernel counts come from the compiled entry computation."""
+  import jax
+
+  from benchmarks import layers
+
+  def once(fn, arg_sets, **_):
+    jax.block_until_ready(fn(*arg_sets[0]))
+    return 1e-3
+
+  monkeypatch.setattr(run, "bench_jax", once)
+  row = layers.measure("mha", wl.WORKLOADS["tiny"], 2, "triton")
+  assert row["same_outputs"]
+  assert 0 < row["kernels_one_call"] <= row["kernels_all_layers"]
+  hlo = "\n".join([
+      "HloModule m", "%fused (p: f32[2]) -> f32[2] {", "  %p = f32[2] parameter(0)", "}",
+      "ENTRY %main (a: f32[2]) -> (f32[2], f32[2]) {",
+      "  %a = f32[2]{0} parameter(0)",
+      "  %f = f32[2]{0} fusion(f32[2]{0} %a), kind=kLoop, calls=%fused",
+      "  %c = f32[2]{0} custom-call(f32[2]{0} %f), custom_call_target=\"x\"",
+      "  ROOT %t = (f32[2]{0}, f32[2]{0}) tuple(%f, %c)", "}"])
+  assert layers.count_kernels(hlo) == 2
