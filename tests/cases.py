@@ -209,6 +209,16 @@ def check_outputs(case, result, expected, last_row, seed):
   return err
 
 
+def nan_past_last_key(args, kwargs):
+  """The case's operands with every K/V row past the batch's last key set to NaN (the
+  queries and offsets unchanged); asserts there are such rows to poison."""
+  kv_off = kwargs.get("kv_input_row_offsets")
+  kv_end = int(args[-1][-1] if kv_off is None else kv_off[-1])
+  poisoned = (args[0], *[x.at[kv_end:].set(jnp.nan) for x in args[1:-1]], args[-1])
+  assert poisoned[-2].shape[0] > kv_end, "no rows past the last key to poison"
+  return poisoned
+
+
 ENTRY_POINTS = {
     "mha": (pp.mha_prefill, pp.reference.mha_prefill_reference),
     "mla": (pp.mla_prefill, pp.reference.mla_prefill_reference),

@@ -144,11 +144,7 @@ def test_mosaic_ignores_nan_past_the_last_key(case):
   """K/V rows past the batch's last key may hold anything: NaN there must not reach the
   output (the kernel never multiplies a V row it cannot see), however few the keys."""
   args, kwargs, last_row = cases.make_inputs(case, cases.fresh_seed())
-  kv_off = kwargs.get("kv_input_row_offsets")
-  kv_end = int(args[-1][-1] if kv_off is None else kv_off[-1])
   entry, reference = cases.ENTRY_POINTS[case.kind]
   expected = reference(*args, **kwargs)
-  poisoned = (args[0], *[x.at[kv_end:].set(jnp.nan) for x in args[1:-1]], args[-1])
-  assert poisoned[-2].shape[0] > kv_end, "no rows past the last key to poison"
-  result = entry(*poisoned, interpret=False, backend="mosaic_gpu", **kwargs)
+  result = entry(*cases.nan_past_last_key(args, kwargs), interpret=False, backend="mosaic_gpu", **kwargs)
   cases.check_outputs(case, result, expected, last_row, 0)

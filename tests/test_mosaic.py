@@ -215,14 +215,10 @@ def test_schedule_ignores_nan_past_the_last_key(case, block_kv):
   kernel stays finite and right, however few the keys (0 * NaN in P.V would spread)."""
   seed = cases.fresh_seed()
   args, kwargs, last_row = cases.make_inputs(case, seed)
-  kv_off = kwargs.get("kv_input_row_offsets")
-  kv_end = int(args[-1][-1] if kv_off is None else kv_off[-1])
   _, reference = cases.ENTRY_POINTS[case.kind]
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True,
                                              output_dtype=jnp.float32))
-  poisoned = (args[0], *[x.at[kv_end:].set(jnp.nan) for x in args[1:-1]], args[-1])
-  assert poisoned[-2].shape[0] > kv_end, "no rows past the last key to poison"
-  out, lse = emulate(case, poisoned, kwargs, pp.MosaicConfig(block_kv=block_kv))
+  out, lse = emulate(case, cases.nan_past_last_key(args, kwargs), kwargs, pp.MosaicConfig(block_kv=block_kv))
   tag = f"{case.name} seed={seed}"
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
