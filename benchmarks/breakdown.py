@@ -14,7 +14,6 @@ prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -90,15 +89,15 @@ def main(argv=None):
       if kind in wl.WORKLOADS[name].kernels and not wl.WORKLOADS[name].page_size:
         rows.append(measure(kind, name))
         print(rows[-1], flush=True)
-  with open(os.path.join(args.out, "breakdown.json"), "w") as f:
-    json.dump(dict(commit=run.commit(), jax=jax.__version__, rows=rows), f, indent=1)
-  print("| kernel | workload | mosaic ms | work list ms | all XLA ms | kernel ms | "
-        "mosaic TFLOP/s | kernel TFLOP/s | triton TFLOP/s |")
-  print("|---|---|---|---|---|---|---|---|---|")
-  for r in rows:
-    print(f"| {r['kernel']} | {r['workload']} | {r['mosaic_ms']:.3f} | "
-          f"{r['work_list_ms']:.3f} | {r['xla_ms']:.3f} | {r['kernel_ms']:.3f} | "
-          f"{r['mosaic_tflops']:.0f} | {r['kernel_tflops']:.0f} | {r['triton_tflops']:.0f} |")
+  run.report(os.path.join(args.out, "breakdown.json"), rows, [
+      ("kernel", lambda r: r["kernel"]), ("workload", lambda r: r["workload"]),
+      ("mosaic ms", lambda r: f"{r['mosaic_ms']:.3f}"),
+      ("work list ms", lambda r: f"{r['work_list_ms']:.3f}"),
+      ("all XLA ms", lambda r: f"{r['xla_ms']:.3f}"),
+      ("kernel ms", lambda r: f"{r['kernel_ms']:.3f}"),
+      ("mosaic TFLOP/s", lambda r: f"{r['mosaic_tflops']:.0f}"),
+      ("kernel TFLOP/s", lambda r: f"{r['kernel_tflops']:.0f}"),
+      ("triton TFLOP/s", lambda r: f"{r['triton_tflops']:.0f}")])
   return 0
 
 

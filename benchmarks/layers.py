@@ -18,7 +18,6 @@ list's cost. Writes DIR/layers.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -68,13 +67,16 @@ def measure(kind: str, workload: wl.Workload, num_layers: int, backend: str) -> 
 
   one_args = (qs[0], kvs[0], q_off, kv_off)
   all_args = (qs, kvs, q_off, kv_off)
-  one_s = run.bench_jax(fn, [one_args])
-  layers_s = run.bench_jax(layers, [all_args])
-  kernels_one = count_kernels(fn.lower(*one_args).compile().as_text())
-  kernels_all = count_kernels(layers.lower(*all_args).compile().as_text())
+  # Compiled once each: timed, and their kernels counted.
+  one = fn.lower(*one_args).compile()
+  many = layers.lower(*all_args).compile()
+  one_s = run.bench_jax(one, [one_args])
+  layers_s = run.bench_jax(many, [all_args])
+  kernels_one = count_kernels(one.as_text())
+  kernels_all = count_kernels(many.as_text())
   # The layers' outputs against the single calls': the same program, so the same values.
-  outs = layers(*all_args)
-  same = all(bool((o == fn(q, kv, q_off, kv_off)).all())
+  outs = many(*all_args)
+  same = all(bool((o == one(q, kv, q_off, kv_off)).all())
              for o, q, kv in zip(outs, qs, kvs))
   return dict(kernel=kind, workload=workload.name, backend=backend, layers=num_layers,
               one_call_ms=one_s * 1e3, per_layer_ms=layers_s / num_layers * 1e3,
@@ -100,15 +102,14 @@ def main(argv=None):
       if kind in wl.WORKLOADS[name].kernels:
         rows.append(measure(kind, wl.WORKLOADS[name], args.layers, args.backend))
         print(rows[-1], flush=True)
-  with open(os.path.join(args.out, "layers.json"), "w") as f:
-    json.dump(dict(commit=run.commit(), jax=jax.__version__, rows=rows), f, indent=1)
-  print("| kernel | workload | backend | one call ms | per layer ms (of L) | kernels: one "
-        "call | per extra layer | same outputs |")
-  print("|---|---|---|---|---|---|---|---|")
-  for r in rows:
-    print(f"| {r['kernel']} | {r['workload']} | {r['backend']} | {r['one_call_ms']:.3f} | "
-          f"{r['per_layer_ms']:.3f} ({r['layers']}) | {r['kernels_one_call']} | "
-          f"{r['kernels_per_extra_layer']:.1f} | {r['same_outputs']} |")
+  run.report(os.path.join(args.out, "layers.json"), rows, [
+      ("kernel", lambda r: r["kernel"]), ("workload", lambda r: r["workload"]),
+      ("backend", lambda r: r["backend"]),
+      ("one call ms", lambda r: f"{r['one_call_ms']:.3f}"),
+      ("per layer ms (of L)", lambda r: f"{r['per_layer_ms']:.3f} ({r['layers']})"),
+      ("kernels: one call", lambda r: str(r["kernels_one_call"])),
+      ("per extra layer", lambda r: f"{r['kernels_per_extra_layer']:.1f}"),
+      ("same outputs", lambda r: str(r["same_outputs"]))])
   return 0
 
 

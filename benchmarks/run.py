@@ -145,6 +145,17 @@ def chart(rows, path) -> bool:
   return True
 
 
+def report(path, rows, columns) -> None:
+  """A measuring tool's results: ``rows`` with the commit and jax version to ``path``
+  (JSON), and a Markdown table of ``columns``, (header, row -> cell text) pairs."""
+  with open(path, "w") as f:
+    json.dump(dict(commit=commit(), jax=jax.__version__, rows=rows), f, indent=1)
+  print("| " + " | ".join(h for h, _ in columns) + " |")
+  print("|" + "---|" * len(columns))
+  for r in rows:
+    print("| " + " | ".join(cell(r) for _, cell in columns) + " |")
+
+
 def save(out, meta, rows) -> str:
   """Writes results.json and results.md under `out`; returns the Markdown table."""
   table = markdown(rows)
