@@ -72,6 +72,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill import ragged  # its numeric constants (ragged imports this module)
+from pallas_prefill import work_items  # (it imports this module)
 from pallas_prefill.config import MosaicConfig
 
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
@@ -97,12 +98,15 @@ _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
 # load, the pipeline's fill and the stores), and the K/V-head-major order is taken when
 # its busiest program has at most this much more work than the item-major order's.
 UNIT_COST_TILES = 1
-HEAD_MAJOR_SLACK = 1.05
+HEAD_MAJOR_SLACK = 1.05  # as 21/20 (``head_major_wins``)
 CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 # The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
 # (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
 # barrier 0 and 1 + the warpgroup index.
 TURN_BARRIER = 4
+# The work list and the unit order from one small Mosaic GPU kernel where it serves the
+# sizes and no LSE is asked for (``work_items``); False: always XLA's (``work_list``).
+BUILD_WORK_LIST = True
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -216,6 +220,51 @@ def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
   return [gather(x) for x in pages_ops], capacity
 
 
+def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
+                 page_tiles):
+  """The per-item table columns up to ``_META_COLS`` (a list of int32 arrays, one value
+  per item) from each item's sequence (its query start and length, its K/V start and
+  length: zeros for items that run nothing) and first row (absolute, a multiple of 8).
+  Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
+  ``work_items.build`` (a Mosaic GPU kernel) share it."""
+  kv_first = _floor8(i_kv_start)
+  # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
+  # negative start is no out-of-bounds zero fill but a wild row.
+  kv_last = jnp.maximum(_floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
+  if page_tiles:
+    kv_last = jnp.full_like(kv_last, _NO_SHIFT * 8)
+  skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
+  start_pos = i_kv_len - i_q_len
+
+  per_wg = []
+  for g in range(COMPUTE_WGS):
+    r0 = jnp.maximum(row + g * block_q - i_q_start, 0)  # within the sequence
+    r1 = jnp.minimum(row + (g + 1) * block_q - i_q_start, i_q_len)
+    q_lo, q_hi = start_pos + r0, start_pos + r1 - 1
+    lo, hi = mask.kv_range(q_lo, q_hi, i_kv_len)
+    f_lo, f_hi = mask.full_range(q_lo, q_hi, i_kv_len)
+    t_lo = (lo + skew) // block_kv
+    t_hi = jnp.maximum((hi + skew + block_kv - 1) // block_kv, t_lo)
+    t_hi = jnp.where((r1 > r0) & (hi > lo), t_hi, t_lo)
+    u_lo = jnp.clip((f_lo + skew + block_kv - 1) // block_kv, t_lo, t_hi)
+    u_hi = jnp.clip((f_hi + skew) // block_kv, u_lo, t_hi)
+    per_wg.append((t_lo, u_lo, u_hi, t_hi))
+  (a0, _, _, b0), (a1, _, _, b1) = per_wg
+  empty0, empty1 = a0 == b0, a1 == b1
+  lo = jnp.where(empty0, a1, jnp.where(empty1, a0, jnp.minimum(a0, a1)))
+  hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
+  lo = jnp.where(empty0 & empty1, 0, lo)
+  hi = jnp.maximum(hi, lo)
+  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
+          lo, hi]
+  for t_lo, u_lo, u_hi, t_hi in per_wg:
+    # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
+    # it the empty range at the item's start so that its loops stay in order.
+    empty = t_lo == t_hi
+    cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
+  return cols
+
+
 def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv,
               paged_cache=None, page_tiles=False):
   """The per-item table [num_items, _META_COLS] int32; each output row's column in the
@@ -273,41 +322,9 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   take = lambda x: jnp.where(live, x[seq], 0)  # noqa: E731
   i_q_start, i_q_len, i_kv_start, i_kv_len = map(take, (q_start, q_len, kv_start, kv_len))
   row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
-  kv_first = _floor8(i_kv_start)
-  # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
-  # negative start is no out-of-bounds zero fill but a wild row.
-  kv_last = jnp.maximum(_floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
-  if page_tiles:
-    kv_last = jnp.full_like(kv_last, _NO_SHIFT * 8)
-  skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
-  start_pos = i_kv_len - i_q_len
-
-  per_wg = []
-  for g in range(COMPUTE_WGS):
-    r0 = jnp.maximum(row + g * block_q - i_q_start, 0)  # within the sequence
-    r1 = jnp.minimum(row + (g + 1) * block_q - i_q_start, i_q_len)
-    q_lo, q_hi = start_pos + r0, start_pos + r1 - 1
-    lo, hi = mask.kv_range(q_lo, q_hi, i_kv_len)
-    f_lo, f_hi = mask.full_range(q_lo, q_hi, i_kv_len)
-    t_lo = (lo + skew) // block_kv
-    t_hi = jnp.maximum((hi + skew + block_kv - 1) // block_kv, t_lo)
-    t_hi = jnp.where((r1 > r0) & (hi > lo), t_hi, t_lo)
-    u_lo = jnp.clip((f_lo + skew + block_kv - 1) // block_kv, t_lo, t_hi)
-    u_hi = jnp.clip((f_hi + skew) // block_kv, u_lo, t_hi)
-    per_wg.append((t_lo, u_lo, u_hi, t_hi))
-  (a0, _, _, b0), (a1, _, _, b1) = per_wg
-  empty0, empty1 = a0 == b0, a1 == b1
-  lo = jnp.where(empty0, a1, jnp.where(empty1, a0, jnp.minimum(a0, a1)))
-  hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
-  lo = jnp.where(empty0 & empty1, 0, lo)
-  hi = jnp.maximum(hi, lo)
-  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
-          lo, hi]
-  for t_lo, u_lo, u_hi, t_hi in per_wg:
-    # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
-    # it the empty range at the item's start so that its loops stay in order.
-    empty = t_lo == t_hi
-    cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
+  cols = item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
+                      block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
+  lo, hi = cols[_T_LO], cols[_T_HI]
   if page_tiles:
     cols.append(jnp.where(live, seq, 0))
   table = jnp.stack(cols, axis=1).astype(jnp.int32)
@@ -421,8 +438,15 @@ def head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
   u = jnp.arange(num_heads * items, dtype=jnp.int32)
   rest = u % jnp.maximum(n_live * group, 1)
   by_kv_head = jnp.where(u < n_live * num_heads, cost[rest // group], 0)
-  worst = lambda c: program_loads(c.astype(jnp.float32), num_programs).max()  # noqa: E731
-  return (worst(by_kv_head) <= HEAD_MAJOR_SLACK * worst(by_item)).astype(jnp.int32)
+  worst = lambda c: program_loads(c, num_programs).max()  # noqa: E731
+  return head_major_wins(worst(by_kv_head), worst(by_item)).astype(jnp.int32)
+
+
+def head_major_wins(worst_kv_head, worst_item):
+  """Whether the K/V-head-major order's busiest program, of ``worst_kv_head`` tiles, has
+  at most ``HEAD_MAJOR_SLACK`` (21/20) times the item-major order's ``worst_item``
+  (int32 scalars: exact in integers, the same in XLA and in ``work_items``)."""
+  return 20 * worst_kv_head <= 21 * worst_item
 
 
 def num_local_units(program, num_programs, num_units):
@@ -800,13 +824,27 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   if num_heads * num_items * rows >= 2**31:
     raise ValueError(f"{num_heads} heads x {num_items} work items of {rows} rows overflow "
                      "the kernel's int32 unit and LSE indices")
-  table, lse_slot, kv_end, n_live = work_list(
-      q_offsets, kv_offsets, total_q, total_kv, mask=mask, block_q=config.block_q,
-      block_kv=config.block_kv, paged_cache=paged_cache, page_tiles=block_table is not None)
   programs = num_programs(num_heads * num_items, config)
-  head_major = head_major_order(
-      table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
-      group=num_heads // v.shape[-2], num_programs=programs)
+  group = num_heads // v.shape[-2]
+  page_tiles = block_table is not None
+  kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
+            paged_cache=paged_cache, page_tiles=page_tiles)
+  tile_bound = work_items.total_kv_tiles_bound(
+      total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
+  if BUILD_WORK_LIST and not return_lse and work_items.fits(num_items, batch, tile_bound):
+    # One small kernel instead of XLA's ~16 (``work_items``); the LSE's row slots come
+    # from XLA's version.
+    table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
+                                      num_heads=num_heads, group=group,
+                                      num_programs=programs, **kw)
+    lse_slot, kv_end = None, scalars[work_items.S_KV_TAIL]
+  else:
+    table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
+                                                **kw)
+    head_major = head_major_order(table[:, _T_HI] - table[:, _T_LO], n_live,
+                                  num_heads=num_heads, group=group, num_programs=programs)
+    scalars = jnp.stack([n_live, jnp.int32(-1) if page_tiles else _floor8(kv_end) // 8,
+                         head_major]).astype(jnp.int32)
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)
@@ -822,12 +860,10 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
     page = jnp.take_along_axis(ids, jnp.minimum(pos // page_size, ids.shape[1] - 1), 1)
     v_last = jnp.where((pos < kv_len[:, None])[..., None, None], v[page, pos % page_size],
                        jnp.zeros((), v.dtype))
-    scalars = jnp.stack([n_live, jnp.int32(-1), head_major]).astype(jnp.int32)
     inputs = [table, scalars]
     inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
     inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
     return inputs, (lse_slot if return_lse else None), programs
-  scalars = jnp.stack([n_live, _floor8(kv_end) // 8, head_major]).astype(jnp.int32)
   # The tile ending with the 8-row group that holds the last key, or the tile at row 0
   # when that group ends before it does; rows past the last key zeroed.
   bkv = config.block_kv

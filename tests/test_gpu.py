@@ -11,7 +11,7 @@ import pytest
 
 import pallas_prefill as pp
 from pallas_prefill import masks
-from tests import cases
+from tests import cases, test_work_items
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
 pytestmark = pytest.mark.gpu
@@ -148,3 +148,11 @@ def test_mosaic_ignores_nan_past_the_last_key(case):
   expected = reference(*args, **kwargs)
   result = entry(*cases.nan_past_last_key(args, kwargs), interpret=False, backend="mosaic_gpu", **kwargs)
   cases.check_outputs(case, result, expected, last_row, 0)
+
+
+@pytest.mark.parametrize("case", test_work_items.WORK_CASES, ids=lambda c: c.name)
+def test_mosaic_work_items_match_xla(case):
+  """The work list's Mosaic GPU kernel compiled (per-element loads and stores, barriers)
+  against XLA's table and scalars, the cases tests/test_work_items.py interprets."""
+  for seed in range(3):
+    test_work_items.check_work_items(case, interpret=False, seed=seed)

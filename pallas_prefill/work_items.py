@@ -1,0 +1,321 @@
+"""The Mosaic GPU backend's work list built on the GPU by one small Mosaic GPU kernel.
+
+``mosaic.work_list`` and ``mosaic.head_major_order`` compute the per-item table, the
+number of items that run and the order of the units in XLA: about 16 small kernels of 2
+to 6 us each on the H200, some 50 us a call (MHA short64's whole call is 0.31 ms). This
+module computes the same table, bit for bit, and the kernel's scalar operand in one
+kernel of one warpgroup (``build``), for the sizes where that is fast (``fits``); XLA's
+version stays the reference and serves the rest, where the attention itself takes
+milliseconds.
+
+Mosaic GPU's arrays have no gather or scatter, so ``_gather`` and ``_scatter`` index a
+shared or global memory ref per element (one load or store per thread and register);
+prefix scans are Hillis-Steele rounds through shared memory, and the sort heaviest first
+is a bitonic sort of (key, item) packed into one int32. In interpret mode (the CPU tests)
+the same code runs on plain arrays.
+"""
+
+# pylint: disable=protected-access  (mosaic's table columns and scalar lanes)
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
+from jax._src.lib.mlir.dialects import arith, memref, vector
+
+from pallas_prefill import mosaic  # its table layout (mosaic imports this module)
+
+WARPGROUP = 128
+MAX_ITEMS = 1024  # items (rounded up to a power of two) the kernel sorts; beyond, XLA
+MAX_SEQS = 1024  # sequences (plus two) the kernel holds; beyond, XLA
+S_KV_TAIL = 3  # the scalars' lane past mosaic's: the end of the last sequence's keys
+
+
+def _pow2(n: int) -> int:
+  return max(WARPGROUP, 1 << (n - 1).bit_length())
+
+
+def _round(n: int) -> int:
+  return -(-n // WARPGROUP) * WARPGROUP
+
+
+def sizes(num_items: int, batch: int) -> tuple[int, int]:
+  """The kernel's item lanes (a power of two, for the bitonic sort) and sequence lanes."""
+  return _pow2(num_items), _round(batch + 2)
+
+
+def fits(num_items: int, batch: int, kv_tile_bound: int) -> bool:
+  """Whether ``build`` serves a work list of ``num_items`` items over ``batch``
+  sequences whose items have at most ``kv_tile_bound`` KV tiles each (the sort packs
+  the tile count and the item into one int32)."""
+  items, seqs = sizes(num_items, batch)
+  return items <= MAX_ITEMS and seqs <= MAX_SEQS and (kv_tile_bound + 2) * items < 2**31
+
+
+def _layout(n: int):
+  return plgpu.Layout.WG_STRIDED((n,), vec_size=1)
+
+
+def _iota(n: int):
+  return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=_layout(n))
+
+
+class _Ops:
+  """Per-element memory access and the warpgroup barrier, compiled (``inline_mgpu``) or
+  in interpret mode (plain arrays)."""
+
+  def __init__(self, interpret: bool):
+    self.interpret = interpret
+
+  def gather(self, ref, idx):
+    """ref[idx] for a 1-D int32 ref (shared or global memory) and int32 indices."""
+    if self.interpret:
+      return ref[...][idx]
+    n = idx.shape[0]
+    idx = plgpu.layout_cast(idx, _layout(n))  # (a constant's layout is a splat)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _layout(n)),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32,
+                                                          layout=_layout(n)))
+    def load(_, r, ix):
+      index = ir.IndexType.get()
+      regs = []
+      for reg in ix.registers.flat:
+        i = arith.index_cast(index, vector.extract(reg, [], [0]))
+        x = memref.load(r, [i])
+        regs.append(vector.broadcast(ir.VectorType.get((1,), x.type), x))
+      return mgpu.FragmentedArray(_registers=np.array(regs).reshape(ix.registers.shape),
+                                  _layout=ix.layout, _is_signed=True)
+
+    return load(ref, idx)
+
+  def scatter(self, ref, idx, val):
+    """ref[idx] = val; where indices repeat, one of their values lands."""
+    if self.interpret:
+      ref[...] = ref[...].at[idx].set(val)
+      return
+    n = idx.shape[0]
+    idx, val = (plgpu.layout_cast(x, _layout(n)) for x in (idx, val))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _layout(n), _layout(n)))
+    def store(_, r, ix, v):
+      index = ir.IndexType.get()
+      for reg, x in zip(ix.registers.flat, v.registers.flat):
+        i = arith.index_cast(index, vector.extract(reg, [], [0]))
+        memref.store(vector.extract(x, [], [0]), r, [i])
+
+    store(ref, idx, val)
+
+  def sync(self):
+    """All of the warpgroup's shared-memory stores before it visible to its loads after."""
+    if self.interpret:
+      return
+
+    @plgpu.inline_mgpu()
+    def bar(_):
+      mgpu.utils.warpgroup_barrier()
+
+    bar()
+
+  def scan(self, x, buf, op, identity):
+    """Inclusive prefix scan of x (n lanes) with ``op``; ``buf`` holds 2n int32."""
+    n = x.shape[0]
+    lane = _iota(n)
+    self.scatter(buf, lane, lane * 0 + identity)
+    k = 1
+    while k < n:
+      self.scatter(buf, lane + n, x)
+      self.sync()
+      x = op(x, self.gather(buf, lane + n - k))
+      self.sync()
+      k *= 2
+    return x
+
+
+def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
+            num_heads, group, num_programs, kv_given, paged_cap, page_tiles, interpret):
+  refs = list(refs)
+  q_off_ref = refs.pop(0)
+  kv_off_ref = refs.pop(0) if kv_given else None
+  cache_ref = refs.pop(0) if paged_cap is not None else None
+  table_ref, scalar_ref = refs
+  ops = _Ops(interpret)
+  n_items, n_seqs = sizes(num_items, batch)
+  rows = mosaic.COMPUTE_WGS * block_q
+  n_cols = mosaic._META_COLS + (1 if page_tiles else 0)
+  clip = jnp.clip
+
+  def body(seq_bufs, scan_buf, mark, col_bufs, sort_buf):
+    # Each sequence's ranges, one lane per sequence b; b == batch is the pseudo-sequence
+    # of the rows past offsets[-1] (no keys), lanes past it have no rows.
+    b = _iota(n_seqs)
+    q_off = lambda i: clip(ops.gather(q_off_ref, clip(i, 0, batch)), 0, total_q)  # noqa: E731
+    q_end = ops.scan(q_off(b + 1), scan_buf, jnp.maximum, 0)
+    ops.scatter(seq_bufs[0], b, q_end)
+    ops.sync()
+    q_start = jnp.where(b == 0, 0, ops.gather(seq_bufs[0], clip(b - 1, 0, n_seqs - 1)))
+    ops.sync()
+    q_start = jnp.where(b > batch, total_q, q_start)
+    q_end = jnp.where(b >= batch, total_q, q_end)
+    if paged_cap is not None:
+      cache = clip(ops.gather(cache_ref, clip(b, 0, batch - 1)), 0, paged_cap)
+      kv_start = b * (0 if page_tiles else paged_cap)
+      kv_end = kv_start + jnp.minimum(cache + q_end - q_start, paged_cap)
+    elif kv_given:
+      kv_off = lambda i: clip(ops.gather(kv_off_ref, clip(i, 0, batch)), 0, total_kv)  # noqa: E731
+      kv_start = kv_off(b)
+      kv_end = jnp.maximum(kv_off(b + 1), kv_start)
+    else:
+      kv_start, kv_end = q_start, q_end
+    kv_tail = jnp.sum(jnp.where(b == batch - 1, kv_end, 0))
+    kv_start = jnp.where(b >= batch, 0, kv_start)
+    kv_end = jnp.where(b >= batch, 0, kv_end)
+    q_first = mosaic._floor8(q_start)
+    tiles = jnp.where(q_end > q_start, lax.div(q_end - q_first + rows - 1, rows), 0)
+    first = ops.scan(tiles, scan_buf, jnp.add, 0) - tiles
+    n_live_items = jnp.sum(tiles)
+    per_seq = (q_start, q_end - q_start, kv_start, kv_end - kv_start, q_first, first)
+    for buf, x in zip(seq_bufs, per_seq):
+      ops.scatter(buf, b, x)
+
+    # Each item's sequence: the last sequence that starts at or before it (sequences
+    # with items start at distinct items), one lane per item.
+    i = _iota(n_items)
+    ops.scatter(mark, i, i * 0)
+    ops.sync()
+    ops.scatter(mark, jnp.where(tiles > 0, first, n_items), b)
+    ops.sync()
+    seq = ops.scan(ops.gather(mark, i), scan_buf, jnp.maximum, 0)
+    live = i < n_live_items
+    i_q_start, i_q_len, i_kv_start, i_kv_len, i_q_first, i_first = (
+        jnp.where(live, ops.gather(buf, seq), 0) for buf in seq_bufs)
+    row = jnp.where(live, i_q_first + (i - i_first) * rows, 0)
+    cols = mosaic.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
+                               block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
+    if page_tiles:
+      cols.append(jnp.where(live, seq, 0))
+    lo, hi = cols[mosaic._T_LO], cols[mosaic._T_HI]
+    stores = jnp.minimum(row + rows, i_q_start + i_q_len) > jnp.maximum(row, i_q_start)
+    n_live = jnp.sum(jnp.where(stores, 1, 0))
+    for c, x in enumerate(cols):
+      ops.scatter(col_bufs, c * n_items + i, x)
+
+    # Heaviest first, the items that store nothing last, stable: a bitonic sort of
+    # (key, item) packed as key * n_items + item, key = bound - tiles or bound + 1.
+    bound = total_kv_tiles_bound(total_kv, paged_cap, block_kv)
+    v = jnp.where(stores, bound - (hi - lo), bound + 1) * n_items + i
+    k = 2
+    while k <= n_items:
+      j = k // 2
+      while j >= 1:
+        ops.scatter(sort_buf, i, v)
+        ops.sync()
+        low = lax.rem(lax.div(i, j), 2) == 0  # the pair's lower lane
+        other = ops.gather(sort_buf, jnp.where(low, i + j, i - j))
+        ops.sync()
+        ascending = lax.rem(lax.div(i, k), 2) == 0
+        v = jnp.where(low == ascending, jnp.minimum(v, other), jnp.maximum(v, other))
+        j //= 2
+      k *= 2
+    order = lax.rem(v, n_items)
+    ops.sync()
+    sorted_cols = [ops.gather(col_bufs, c * n_items + order) for c in range(n_cols)]
+    for c, x in enumerate(sorted_cols):
+      ops.scatter(table_ref, i * n_cols + c, x)
+
+    # The unit order (``mosaic.head_major_order``): each program's load, one lane per
+    # program, a row of dealt units per trip.
+    tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
+    cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
+    ops.scatter(sort_buf, i, cost)
+    ops.sync()
+    p = _iota(_round(num_programs))
+    units = n_live * num_heads
+    per_kv_head = jnp.maximum(n_live * group, 1)
+
+    def deal(r, loads):
+      by_item, by_kv_head = loads
+      # (``mosaic._dealt_unit``'s zigzag; arithmetic, as a select on a scalar does not lower)
+      u = r * num_programs + p + lax.rem(r, 2) * (num_programs - 1 - 2 * p)
+      ok = (p < num_programs) & (u < units)
+      u = jnp.where(ok, u, 0)
+      item = ops.gather(sort_buf, clip(lax.div(u, num_heads), 0, n_items - 1))
+      head = ops.gather(sort_buf, clip(lax.div(lax.rem(u, per_kv_head), group), 0,
+                                       n_items - 1))
+      return by_item + jnp.where(ok, item, 0), by_kv_head + jnp.where(ok, head, 0)
+
+    zero = p * 0
+    by_item, by_kv_head = lax.fori_loop(0, lax.div(units + num_programs - 1, num_programs),
+                                        deal, (zero, zero))
+    worst_item, worst_kv_head = jnp.max(by_item), jnp.max(by_kv_head)
+    head_major = jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
+    s = _iota(WARPGROUP)
+    tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``mosaic.operands`` has it
+    scalars = s * 0
+    lanes = (mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR, S_KV_TAIL)
+    for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail)):
+      scalars = jnp.where(s == lane, x, scalars)
+    ops.scatter(scalar_ref, s, scalars)
+
+  pl.run_scoped(
+      body,
+      [plgpu.SMEM((n_seqs,), jnp.int32) for _ in range(6)],
+      plgpu.SMEM((2 * max(n_seqs, n_items),), jnp.int32),
+      plgpu.SMEM((n_items + 1,), jnp.int32),
+      plgpu.SMEM((n_cols * n_items,), jnp.int32),
+      plgpu.SMEM((n_items,), jnp.int32),
+  )
+
+
+def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) -> int:
+  """More KV tiles than any item can have: a sequence's keys span at most total_kv rows
+  (a paged cache's capacity), plus the tile its 8-row alignment adds."""
+  keys = total_kv if paged_cap is None else paged_cap
+  return keys // block_kv + 2
+
+
+def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
+          group, num_programs, paged_cache=None, page_tiles=False, interpret=False):
+  """``mosaic.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
+  kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
+  ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
+  that run, the last key's 8-row group, the unit order of ``head_major_order`` for
+  ``num_programs`` programs, and the end of the last sequence's keys). Only where
+  ``fits``; arguments as ``work_list``'s."""
+  batch = q_offsets.shape[0] - 1
+  num_items = mosaic.num_work_items(total_q, batch, block_q)
+  n_items, _ = sizes(num_items, batch)
+  n_cols = mosaic._META_COLS + (1 if page_tiles else 0)
+  paged_cap = None
+  inputs = [q_offsets.astype(jnp.int32)]
+  if paged_cache is not None:
+    cache_lengths, paged_cap = paged_cache
+    inputs.append(cache_lengths.astype(jnp.int32))
+  elif kv_offsets is not None:
+    inputs.append(kv_offsets.astype(jnp.int32))
+  kernel = functools.partial(
+      _kernel, batch=batch, total_q=total_q, total_kv=total_kv, mask=mask,
+      block_q=block_q, block_kv=block_kv, num_items=num_items, num_heads=num_heads,
+      group=group, num_programs=num_programs,
+      kv_given=paged_cache is None and kv_offsets is not None, paged_cap=paged_cap,
+      page_tiles=page_tiles, interpret=interpret)
+  # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
+  # element-wise loads and stores and the scalar reductions need (under the default
+  # warpgroup semantics, the scalars and the loops over them did not compile on the H200).
+  kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else dict(
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Lane))
+  table, scalars = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((n_items * n_cols,), jnp.int32),
+                jax.ShapeDtypeStruct((WARPGROUP,), jnp.int32)),
+      **kw)(*inputs)
+  return table.reshape(n_items, n_cols), scalars

@@ -1,0 +1,119 @@
+"""``work_items.build`` (the Mosaic GPU backend's work list in one small Mosaic GPU kernel)
+against XLA's ``mosaic.work_list`` and ``mosaic.head_major_order``, which the emulator in
+tests/test_mosaic.py checks against the attention it schedules: the same table, bit for
+bit, and the same scalars. Here in Mosaic GPU's interpret mode (the per-element loads and
+stores as array indexing, no barriers); tests/test_gpu.py runs the same cases compiled on
+the H200, and test_mosaic.py lowers the kernel for an H200 inside every default config."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_prefill import masks, mosaic, work_items
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkCase:
+  lens: tuple
+  kv_lens: tuple | None = None  # K/V offsets of their own
+  garbage: bool = False  # offsets drawn at random, not sorted, some out of range
+  mask: object = masks.CausalMask()
+  block_q: int = 64
+  block_kv: int = 128
+  heads: int = 32
+  group: int = 4
+  programs: int = 132
+  paged: tuple | None = None  # (cache lengths, capacity, page_tiles)
+  extra_rows: int = 9  # query rows past offsets[-1]
+
+  @property
+  def name(self):
+    return (f"b{len(self.lens)}-{type(self.mask).__name__}-h{self.heads}g{self.group}"
+            f"-bkv{self.block_kv}-p{self.programs}{'-kv' if self.kv_lens else ''}"
+            f"{'-garbage' if self.garbage else ''}"
+            f"{'-paged' + str(self.paged[2]) if self.paged else ''}")
+
+
+_RNG = np.random.default_rng(7)
+_SHORT = tuple(int(x) for x in _RNG.integers(16, 512, 64))
+WORK_CASES = [
+    WorkCase((5, 100, 300, 0, 64)),
+    WorkCase(_SHORT),
+    WorkCase(_SHORT, heads=128, group=1, block_kv=64),
+    WorkCase((4096,) * 4, heads=128, group=1, block_kv=64),
+    WorkCase((4096, 2048, 1800, 1500, 1200, 1000, 900, 800, 700, 600, 500, 400, 300, 200,
+              100, 50)),
+    WorkCase((0, 1, 1000, 2048, 77, 513, 4096), programs=5),
+    WorkCase((0, 0, 0), extra_rows=1),
+    WorkCase((0, 0, 0), extra_rows=300),
+    WorkCase((5, 100, 300, 0, 64), garbage=True),
+    WorkCase(_SHORT[:40], garbage=True, heads=8, group=8),
+    WorkCase((5, 100, 300, 0, 64), kv_lens=(50, 0, 700, 3, 64)),
+    WorkCase((37, 200, 1), mask=masks.ChunkedCausalMask(64), block_q=32),
+    WorkCase((37, 200, 1), mask=masks.SlidingWindowCausalMask(100), kv_lens=(300, 40, 9)),
+    WorkCase((1000, 2048, 77), mask=masks.NullMask(), heads=16, group=1),
+    WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, True), block_kv=64),
+    WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, False), block_kv=64),
+    WorkCase(tuple(int(x) for x in _RNG.integers(1, 40, 300)), heads=4, group=2),
+]
+
+
+def _offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def check_work_items(case: WorkCase, interpret: bool, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  off = _offsets(case.lens)
+  total_q = int(off[-1]) + case.extra_rows
+  if case.garbage:
+    off = rng.integers(-50, total_q + 50, off.shape).astype(np.int32)
+  kv_off, total_kv, paged = None, total_q, None
+  if case.kv_lens is not None:
+    kv_off = _offsets(case.kv_lens)
+    total_kv = int(kv_off[-1]) + int(rng.integers(0, 20))
+    kv_off = jnp.asarray(kv_off)
+  if case.paged is not None:
+    cache, cap, _ = case.paged
+    paged = (jnp.asarray(cache, jnp.int32), cap)
+    total_kv = len(case.lens) * cap
+  page_tiles = bool(case.paged and case.paged[2])
+  off = jnp.asarray(off)
+  kw = dict(mask=case.mask, block_q=case.block_q, block_kv=case.block_kv,
+            paged_cache=paged, page_tiles=page_tiles)
+  table, _, kv_end, n_live = mosaic.work_list(off, kv_off, total_q, total_kv, **kw)
+  programs = min(case.programs, case.heads * table.shape[0])
+  head_major = mosaic.head_major_order(
+      table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=case.heads,
+      group=case.group, num_programs=programs)
+  bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
+  assert work_items.fits(table.shape[0], len(case.lens), bound)
+  got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
+                                  group=case.group, num_programs=programs,
+                                  interpret=interpret, **kw)
+  got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
+  assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
+  np.testing.assert_array_equal(got[:table.shape[0]], table)
+  tail8 = -1 if page_tiles else int(kv_end) // 8
+  assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
+
+
+@pytest.mark.parametrize("case", WORK_CASES, ids=lambda c: c.name)
+def test_work_items_match_xla_in_interpret_mode(case):
+  check_work_items(case, interpret=True)
+
+
+def test_work_items_check_can_fail(monkeypatch):
+  """The comparison sees a kernel gone wrong: prefix scans that return their input."""
+  monkeypatch.setattr(work_items._Ops, "scan", lambda self, x, buf, op, identity: x)
+  with pytest.raises(AssertionError):
+    check_work_items(WORK_CASES[0], interpret=True)
+
+
+@pytest.mark.parametrize("num_items,batch,bound,fits", [
+    (1024, 1000, 100, True), (1025, 10, 100, False), (100, 1023, 100, False),
+    (1024, 10, 2**21, False)])
+def test_fits(num_items, batch, bound, fits):
+  assert work_items.fits(num_items, batch, bound) == fits
