@@ -3,10 +3,11 @@
     python -m benchmarks.breakdown [--kernels mha mla] [--workloads NAME ...] [--out DIR]
 
 For each kernel and workload, on the first input set of the harness (benchmarks/run.py's
-timing): the whole ``backend="mosaic_gpu"`` call; the work list alone
-(``mosaic.work_list``); all the XLA work before the kernel (``mosaic.operands``: the work
-list, the unit order and ``v_tail``; no operand is copied unless it is shorter than a
-tile); and the Triton call for scale. The kernel's own share is the
+timing): the whole ``backend="mosaic_gpu"`` call; XLA's work list alone
+(``mosaic.work_list``); all the work before the attention kernel (``mosaic.operands``: the
+work list and the unit order, from ``work_items``' kernel where it serves, and
+``v_tail``; no operand is copied unless it is shorter than a tile); and the Triton call
+for scale. The kernel's own share is the
 whole call less the XLA work (the kernel waits for it). Writes DIR/breakdown.json and
 prints a table.
 """

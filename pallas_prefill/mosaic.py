@@ -14,9 +14,10 @@ reuse.
 
 The ragged parts, which the dense kernel has none of:
 
-- A work list, computed in XLA before the call: one item per pair of query tiles of one
-  sequence (``2 * block_q`` rows), heaviest first, plus one pseudo-sequence for the rows
-  past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for
+- A work list, computed before the call (``work_list`` in XLA, or the same table from one
+  small Mosaic GPU kernel, ``work_items.build``, where it fits and no LSE is asked): one
+  item per pair of query tiles of one sequence (``2 * block_q`` rows), heaviest first,
+  plus one pseudo-sequence for the rows past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for
   the whole item, and per warpgroup: first, first unmasked, end of unmasked, end) are
   read by the kernel from a small int32 table, so the three warpgroups agree on every
   trip count, zero included. Only the items that store rows run (a scalar operand holds
@@ -811,11 +812,12 @@ def padded_rows(rows: int, tile: int) -> int:
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
-             config: MosaicConfig, paged_cache=None, block_table=None):
-  """The XLA work before the kernel: its operands (the work list, the scalars, the sink
+             config: MosaicConfig, paged_cache=None, block_table=None, interpret=False):
+  """The work before the kernel: its operands (the work list, the scalars, the sink
   weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
   slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
-  ``ragged_attention_mgpu``'s."""
+  ``ragged_attention_mgpu``'s; ``interpret`` runs ``work_items``' kernel in Mosaic GPU's
+  interpret mode (to call this on the CPU)."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
@@ -836,7 +838,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
     # from XLA's version.
     table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
                                       num_heads=num_heads, group=group,
-                                      num_programs=programs, **kw)
+                                      num_programs=programs, interpret=interpret, **kw)
     lse_slot, kv_end = None, scalars[work_items.S_KV_TAIL]
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,

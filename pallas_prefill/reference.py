@@ -8,7 +8,6 @@ products run at HIGHEST precision so that the reference is float32 on the GPU to
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

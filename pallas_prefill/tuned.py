@@ -19,7 +19,7 @@ TUNED = {
 # num_programs, faster than Triton)}; the last field is what backend="auto" follows.
 TUNED_MOSAIC = {
     "NVIDIA H200": {
-        (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, False),
+        (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, True),
         (128, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),
         (192, 128, "bfloat16", "CausalMask", False): (64, 64, 3, None, True),
         (192, 128, "bfloat16", "CausalMask", True): (64, 128, 2, None, True),

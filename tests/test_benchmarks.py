@@ -116,3 +116,24 @@ def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
       "  %c = f32[2]{0} custom-call(f32[2]{0} %f), custom_call_target=\"x\"",
       "  ROOT %t = (f32[2]{0}, f32[2]{0}) tuple(%f, %c)", "}"])
   assert layers.count_kernels(hlo) == 2
+
+
+def test_profile_runs_one_call(monkeypatch, capsys):
+  """benchmarks.profile prepares a harness system and calls it (on the CPU, with no CUDA
+  runtime to start a profiler, unprofiled, and it says so)."""
+  from benchmarks import profile
+
+  calls = []
+  real = profile.sy.SYSTEMS["pallas_prefill"]
+
+  def counted(problems):
+    prepared = real(problems)
+    fn = prepared.fn
+    prepared.fn = lambda *a: calls.append(1) or fn(*a)
+    return prepared
+
+  monkeypatch.setitem(profile.sy.SYSTEMS, "pallas_prefill", counted)
+  monkeypatch.setattr(profile, "_cudart", lambda: None)
+  profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill"])
+  assert len(calls) == 4  # three to compile and warm up, one profiled
+  assert "unprofiled) one call: mha tiny pallas_prefill" in capsys.readouterr().out

@@ -625,11 +625,24 @@ def test_default_config_lowers(problem):
     assert out_info[1].shape == (problem.total_q, problem.heads)
 
 
+@pytest.mark.parametrize("lse,build,calls", [(False, True, 2), (True, True, 1),
+                                             (False, False, 1)])
+def test_the_work_list_kernel_runs_before_the_attention(monkeypatch, lse, build, calls):
+  """Without the LSE the work list comes from ``work_items``' kernel, a second Mosaic GPU
+  call (lowered for an H200 here); with it, or with ``BUILD_WORK_LIST`` off, from XLA."""
+  monkeypatch.setattr(mosaic, "BUILD_WORK_LIST", build)
+  jax.clear_caches()  # mha_prefill's trace does not key on the flag
+  text = Lowered(lse=lse).lower().as_text()
+  jax.clear_caches()
+  assert text.count(f"custom_call @{MOSAIC_CALL}(") == calls
+
+
 def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
   """Q, K and V reach the kernel as they are: TMA fills untiled 64-column buffers from
   any row of arrays of any row count."""
   text = Lowered(total_q=1001, total_kv=1503).lower().as_text()
-  [call] = [line for line in text.splitlines() if f"custom_call @{MOSAIC_CALL}(" in line]
+  [call] = [line for line in text.splitlines()
+            if f"custom_call @{MOSAIC_CALL}(" in line and "xbf16>" in line]  # not work_items
   operand_types = call.rsplit(" : (", 1)[1].split(") -> ")[0]
   assert "tensor<1001x8x128xbf16>, tensor<1503x2x128xbf16>, tensor<1503x2x128xbf16>" in (
       operand_types)
@@ -637,7 +650,9 @@ def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
 
 @pytest.mark.parametrize("kind,max_prompt_len,dtype,expect", [
     ("mha", 4096, "bfloat16", MOSAIC_CALL),  # long prompts: Mosaic GPU measured faster
-    ("mha", 64, "bfloat16", "__gpu$xla.gpu.triton"),  # short ones: Triton, level or faster
+    # short ones too since the work list's kernel: 171 against cuDNN packed's 166 (a027be9;
+    # Triton 160 against its 167 at 29d20f5)
+    ("mha", 64, "bfloat16", MOSAIC_CALL),
     ("mha", 4096, "float32", "__gpu$xla.gpu.triton"),  # Mosaic GPU cannot serve float32
     ("mla", 4096, "bfloat16", MOSAIC_CALL),
     ("mla", 64, "bfloat16", MOSAIC_CALL),  # MLA short64: 204 against Triton's 163 (d24004c)
@@ -727,7 +742,7 @@ def test_native_paged_operands():
   inputs, _, _ = mosaic.operands(
       [q], [pages], pages, jnp.asarray(q_off), None, None, mask=masks.CausalMask(),
       return_lse=False, config=config, paged_cache=(jnp.asarray(cache), 2 * page_size),
-      block_table=jnp.asarray(table))
+      block_table=jnp.asarray(table), interpret=True)
   meta, scalars, v_last, ids = (np.asarray(x, np.float32) for x in
                                 (inputs[0], inputs[1], inputs[-2], inputs[-1]))
   np.testing.assert_array_equal(ids, np.minimum(table, num_pages - 1))

@@ -4,7 +4,6 @@ inputs, on several host devices in interpret mode (conftest.py asks XLA for 4)."
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -1,0 +1,74 @@
+"""One call of one harness system, alone between cudaProfilerStart and cudaProfilerStop.
+
+    ncu --profile-from-start off --clock-control none [--section ...] \\
+        python -m benchmarks.profile --kernel mha --workload equal4x4096 \\
+        [--system pallas_prefill_mosaic]
+
+For Nsight Compute (or Nsight Systems with ``--capture-range=cudaProfilerApi``): the
+system is prepared as the harness prepares it (benchmarks/run.py, the first input set),
+called three times to compile and warm up, and then called once more with the profiler
+on, so that the report holds that call's kernels and nothing else. ``--clock-control
+none`` keeps the GPU's own clocks, as the harness runs under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import pathlib
+import sys
+
+import jax
+
+from benchmarks import systems as sy
+from benchmarks import workloads as wl
+
+
+def _cudart():
+  """The CUDA runtime torch or the CUDA plugin loaded (cudaProfilerStart/Stop act on the
+  process's context, whichever library calls them), or None where there is none (the
+  CPU: the call then runs unprofiled)."""
+  found = [str(f) for d in sys.path if d and os.path.isdir(os.path.join(d, "nvidia"))
+           for f in sorted(pathlib.Path(d, "nvidia").glob("*/lib/libcudart.so*"))]
+  for name in ("libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart"),
+               *found):
+    if name:
+      try:
+        return ctypes.CDLL(name)
+      except OSError:
+        continue
+  return None
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--kernel", choices=["mha", "mla"], default="mha")
+  parser.add_argument("--workload", default="equal4x4096", choices=sorted(wl.WORKLOADS))
+  parser.add_argument("--system", default="pallas_prefill_mosaic", choices=sorted(sy.SYSTEMS))
+  args = parser.parse_args(argv)
+  prepared = sy.SYSTEMS[args.system]([sy.make_problem(args.kernel, wl.WORKLOADS[args.workload],
+                                                      0)])
+  call_args = prepared.arg_sets[0]
+  if prepared.timer == "torch":
+    import torch  # pylint: disable=g-import-not-at-top
+    sync = torch.cuda.synchronize
+  else:
+    sync = lambda: None  # noqa: E731
+  for _ in range(3):
+    jax.block_until_ready(prepared.fn(*call_args))
+    sync()
+  cudart = _cudart()
+  if cudart is not None:
+    cudart.cudaProfilerStart()
+  jax.block_until_ready(prepared.fn(*call_args))
+  sync()
+  if cudart is not None:
+    cudart.cudaProfilerStop()
+  print(f"{'profiled' if cudart is not None else 'ran (no CUDA runtime: unprofiled)'} one "
+        f"call: {args.kernel} {args.workload} {args.system}")
+
+
+if __name__ == "__main__":
+  main()
