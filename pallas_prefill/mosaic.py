@@ -17,11 +17,12 @@ The ragged parts, which the dense kernel has none of:
 - A work list, computed before the call (``work_list`` in XLA, or the same table from one
   small Mosaic GPU kernel, ``work_items.build``, where it fits and no LSE is asked): one
   item per pair of query tiles of one sequence (``2 * block_q`` rows), heaviest first,
-  plus one pseudo-sequence for the rows past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for
-  the whole item, and per warpgroup: first, first unmasked, end of unmasked, end) are
-  read by the kernel from a small int32 table, so the three warpgroups agree on every
-  trip count, zero included. Only the items that store rows run (a scalar operand holds
-  their number); the table's other items, there because its size is static, do not.
+  plus one pseudo-sequence for the rows past ``offsets[-1]`` (written as zeros). Each
+  item's row ranges and KV tile ranges (for the whole item, and per warpgroup: first,
+  first unmasked, end of unmasked, end) are read by the kernel from a small int32 table,
+  so the three warpgroups agree on every trip count, zero included. Only the items that
+  store rows run (a scalar operand holds their number); the table's other items, there
+  because its size is static, do not.
 - TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
   arrays whose row count is one. Q, K and V avoid the second: they live in 64-column
   buffers that TMA fills untiled, from any row of arrays of any row count, and that the

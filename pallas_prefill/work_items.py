@@ -8,7 +8,7 @@ kernel of one warpgroup (``build``), for the sizes where that is fast (``fits``)
 version stays the reference and serves the rest, where the attention itself takes
 milliseconds.
 
-Mosaic GPU's arrays have no gather or scatter, so ``_gather`` and ``_scatter`` index a
+Mosaic GPU's arrays have no gather or scatter, so ``_Ops.gather`` and ``_Ops.scatter`` index a
 shared or global memory ref per element (one load or store per thread and register);
 prefix scans are Hillis-Steele rounds through shared memory, and the sort heaviest first
 is a bitonic sort of (key, item) packed into one int32. In interpret mode (the CPU tests)
