@@ -54,9 +54,10 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     backend: "triton" (default): the Pallas Triton kernel, any NVIDIA GPU and interpret
       mode. "mosaic_gpu": the Pallas Mosaic GPU kernel for Hopper (sm_90), bf16/f16,
       depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
-      NotImplementedError says why a call it cannot serve is refused. "auto": Mosaic GPU where the tuned table for the
-      device measured it faster and it can serve the call, Triton otherwise. Results
-      agree to rounding; so do validation and the handling of garbage offsets.
+      NotImplementedError says why a call it cannot serve is refused. "auto": Mosaic GPU
+      where the tuned table for the device measured it faster and it can serve the call,
+      Triton otherwise. Results agree to rounding; so do validation and the handling of
+      garbage offsets.
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
   zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output

@@ -69,19 +69,20 @@ def test_tuner_writes_a_table_config_reads(tmp_path):
   assert runpy.run_path(str(path))["TUNED"] == table
 
 
+def _call_once(fn, arg_sets, **_):
+  """``run.bench_jax`` for the CPU tests: one call, a nominal millisecond."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*arg_sets[0]))
+  return 1e-3
+
+
 def test_scaling_measures_a_head_sharded_call(monkeypatch):
   """benchmarks.scaling on 2 of the 4 host devices (interpret mode): the sharded call is
   correct, keeps the head sharding and compiles without a collective. (Timing is the
   harness's; one call each keeps this quick.)"""
-  import jax
-
   from benchmarks import scaling
 
-  def once(fn, arg_sets, **_):
-    jax.block_until_ready(fn(*arg_sets[0]))
-    return 1e-3
-
-  monkeypatch.setattr(run, "bench_jax", once)
+  monkeypatch.setattr(run, "bench_jax", _call_once)
   row = scaling.measure("mha", wl.WORKLOADS["tiny"], 2)
   assert row["correct"] and row["relerr_sharded"] < run.TOLERANCE
   assert row["collectives"] == []
@@ -96,15 +97,9 @@ def test_commit_prefers_the_environment(monkeypatch):
 def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
   """benchmarks.layers in interpret mode: L layers' calls under one jit give each layer's
   single-call output, and the kernel counts come from the compiled entry computation."""
-  import jax
-
   from benchmarks import layers
 
-  def once(fn, arg_sets, **_):
-    jax.block_until_ready(fn(*arg_sets[0]))
-    return 1e-3
-
-  monkeypatch.setattr(run, "bench_jax", once)
+  monkeypatch.setattr(run, "bench_jax", _call_once)
   row = layers.measure("mha", wl.WORKLOADS["tiny"], 2, "triton")
   assert row["same_outputs"]
   assert 0 < row["kernels_one_call"] <= row["kernels_all_layers"]

@@ -147,7 +147,8 @@ def test_mosaic_ignores_nan_past_the_last_key(case):
   args, kwargs, last_row = cases.make_inputs(case, cases.fresh_seed())
   entry, reference = cases.ENTRY_POINTS[case.kind]
   expected = reference(*args, **kwargs)
-  result = entry(*cases.nan_past_last_key(args, kwargs), interpret=False, backend="mosaic_gpu", **kwargs)
+  result = entry(*cases.nan_past_last_key(args, kwargs), interpret=False,
+                 backend="mosaic_gpu", **kwargs)
   cases.check_outputs(case, result, expected, last_row, 0)
 
 

@@ -218,7 +218,8 @@ def test_schedule_ignores_nan_past_the_last_key(case, block_kv):
   _, reference = cases.ENTRY_POINTS[case.kind]
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True,
                                              output_dtype=jnp.float32))
-  out, lse = emulate(case, cases.nan_past_last_key(args, kwargs), kwargs, pp.MosaicConfig(block_kv=block_kv))
+  out, lse = emulate(case, cases.nan_past_last_key(args, kwargs), kwargs,
+                     pp.MosaicConfig(block_kv=block_kv))
   tag = f"{case.name} seed={seed}"
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
@@ -515,8 +516,8 @@ def test_default_configs_fit_shared_memory():
 def test_one_output_buffer_where_shared_memory_holds_no_more():
   """MLA's 192 + 128 with 128-row K/V tiles in two stages leaves room for one 64-column
   output buffer per warpgroup (filled and stored a column chunk at a time); with the LSE's
-  buffer as well, or a float32 output, for none, and the config is refused. Other shapes get one per 64
-  columns of V."""
+  buffer as well, or a float32 output, for none, and the config is refused. Other shapes
+  get one per 64 columns of V."""
   mla = [ragged.QkPart(0, 0, 0, 0, 128), ragged.QkPart(0, 0, 0, 0, 64)]
   mha = [ragged.QkPart(0, 0, 0, 0, 128)]
   wide = pp.MosaicConfig(block_kv=128, num_stages=2)
