@@ -8,9 +8,14 @@ that one's softmax overlaps the other's matrix products. The kernel is persisten
 FA3's is: one program per SM runs its share of the (head, work item) units back to back,
 the K/V slots and barrier phases carried from one unit to the next, so that the producer
 streams the next unit's first tiles and each compute warpgroup loads its next Q while the
-last unit is finished and written out. ``program_unit`` deals the units out, item-major
-or, where that balances as well (``head_major_order``, per call), K/V-head-major for L2
-reuse.
+last unit is finished and written out. The units are scheduled dynamically
+(``DYNAMIC``): each program's producer claims its next unit from a global counter (an
+atomic add, ``_claim``) one unit ahead and passes it to the compute warpgroups through
+shared memory, in K/V-head-major order (``unit_head_item``: the units running together
+share a K/V head's rows in L2, heaviest items first within it), so that programs balance
+whatever the order and the units' real costs. Behind the flag, the static deal
+(``program_unit``): item-major or, where that balances as well (``head_major_order``, per
+call), K/V-head-major.
 
 The ragged parts, which the dense kernel has none of:
 
@@ -72,6 +77,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import math as mlir_math
 
 from pallas_prefill import ragged  # its numeric constants (ragged imports this module)
 from pallas_prefill import work_items  # (it imports this module)
@@ -96,6 +104,10 @@ MIN_NATIVE_PAGE = 64
 # of the batch's last key (the one that comes from ``v_tail``) and the order of the units
 # (1: K/V-head-major, ``head_major_order``).
 _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
+# With ``DYNAMIC``, the lane the programs claim units from (``_claim``): 0 before the
+# call, one more per claim. The operand has ``SCALAR_LANES`` lanes or more.
+_S_NEXT = 4
+SCALAR_LANES = 8
 # ``head_major_order``: a unit costs its KV tiles plus about one tile of its own (the Q
 # load, the pipeline's fill and the stores), and the K/V-head-major order is taken when
 # its busiest program has at most this much more work than the item-major order's.
@@ -109,6 +121,13 @@ TURN_BARRIER = 4
 # The work list and the unit order from one small Mosaic GPU kernel where it serves the
 # sizes and no LSE is asked for (``work_items``); False: always XLA's (``work_list``).
 BUILD_WORK_LIST = True
+# Dynamic scheduling: each program's producer claims its next unit from a global counter
+# (``_claim``), in K/V-head-major order, and passes it to the compute warpgroups through
+# shared memory; False: the static deal of ``program_unit``.
+DYNAMIC = True
+# The softmax's scale folded into its exponent (``_exp2_fma``: one FFMA per score instead
+# of a multiplication and a subtraction), where the scale is positive.
+FOLD_SCALE = True
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -120,8 +139,10 @@ def _smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicC
   o = COMPUTE_WGS * config.block_q * CHUNK * out_buffers * jnp.dtype(output_dtype).itemsize
   kv = config.num_stages * config.block_kv * (qk + v_depth) * item
   lse = COMPUTE_WGS * config.block_q * 4 if return_lse else 0
-  # barriers and alignment: 2136 to 2648 bytes seen (MLA with 128-row K/V tiles in two
-  # stages, without and with the LSE; about 2.6 KiB at MHA d128)
+  # barriers and alignment: 2136 to 2648 bytes seen with Mosaic GPU's 2 KiB of reduction
+  # scratch (MLA with 128-row K/V tiles in two stages, without and with the LSE); 1136
+  # without it (``reduction_scratch_bytes=0``) and with the claimed units' slots and
+  # barriers (MLA, no LSE). The bound is kept, not measured against every config.
   return q + o + kv + lse + 3072
 
 
@@ -408,7 +429,12 @@ def program_unit(program, num_programs, k, *, num_heads, group, n_live, head_maj
     rows in L2, which MLA (a K/V head per query head) needs (+10 % on equal4x4096). Its
     balance depends on how n_live * group falls on the rows, hence the choice per call.
   """
-  unit = _dealt_unit(program, num_programs, k)
+  return unit_head_item(_dealt_unit(program, num_programs, k), num_heads=num_heads,
+                        group=group, n_live=n_live, head_major=head_major)
+
+
+def unit_head_item(unit, *, num_heads, group, n_live, head_major):
+  """The (head, item) of unit `unit` in the order ``head_major`` picks (``program_unit``)."""
   heads = jnp.int32(num_heads)
   per_kv_head = jnp.maximum(n_live * group, 1)
   rest = lax.rem(unit, per_kv_head)
@@ -483,9 +509,48 @@ def _named_barrier(op: str, barrier_id, threads: int = 2 * 128):
   bar(jnp.asarray(barrier_id, jnp.int32))
 
 
+def _exp2_fma(s, scale: float, neg_m):
+  """exp2(s * scale + neg_m) for scores s [rows, cols] in the WGMMA layout and neg_m
+  [rows, cols] (a row vector broadcast): one fused multiply-add and one ``ex2.approx``
+  per element (Mosaic GPU emits a multiplication and an addition as two instructions)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                     return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def fma_exp2(_, x, b):
+    f32 = ir.F32Type.get()
+
+    def fma(a, c):
+      k = arith.constant(f32, scale)
+      if isinstance(a.type, ir.VectorType):
+        k = vector.broadcast(a.type, k)
+      return mlir_math.fma(a, k, c)
+
+    return x._pointwise(fma, b).exp2(approx=True)  # pylint: disable=protected-access
+
+  return fma_exp2(s, neg_m)
+
+
+def _claim(scalar_ref, unit_smem, slot):
+  """One thread of the warpgroup takes the next unit from the global counter (an atomic
+  add on ``scalar_ref[_S_NEXT]``) and writes it to ``unit_smem[slot]``; the warpgroup
+  then waits for it (so that all of its threads can read the slot)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+  def claim(_, counter, units, s):
+    index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+    with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+      old = memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1), counter,
+                              [arith.constant(index, _S_NEXT)])
+      memref.store(old, units, [arith.index_cast(index, s.registers[()])])
+    mgpu.utils.warpgroup_barrier()
+
+  claim(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32))
+
+
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_stages, group, num_heads, out_dtype, out_buffers,
-            page_size=None):
+            dynamic, page_size=None):
   # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
   # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
   # last V tile with the rows past its keys zeroed, and the block table follows it.
@@ -529,21 +594,81 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
   ]
+  if dynamic:  # claimed units: two slots, each published by the producer, read by both
+    scratch.append(plgpu.SMEM((2,), jnp.int32))
+    barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                 plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2)]
 
-  def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, q_bars, k_bars, v_bars, k_used,
-           v_used):
+  def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, *rest):
+    if dynamic:
+      unit_smem, q_bars, k_bars, v_bars, k_used, v_used, unit_ready, unit_used = rest
+    else:
+      q_bars, k_bars, v_bars, k_used, v_used = rest
     wg = lax.axis_index("wg")
+    n_live = scalar_ref[_S_LIVE]
+    n_units = n_live * num_heads
+    # Static: the units program_unit deals this program (its k-th: units(k)).
     units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
-                              num_heads=num_heads, group=group, n_live=scalar_ref[_S_LIVE],
+                              num_heads=num_heads, group=group, n_live=n_live,
                               head_major=scalar_ref[_S_HEAD_MAJOR])
-    n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"),
-                              scalar_ref[_S_LIVE] * num_heads)
+    n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
+    # Dynamic: unit u (claimed) in K/V-head-major order.
+    claimed = functools.partial(unit_head_item, num_heads=num_heads, group=group,
+                                n_live=n_live, head_major=1)
 
-    def item_of(k):
-      """Local unit k's head, its item's table row reader, and its KV tile range."""
-      h, w = units(k)
+    def item_of(hw):
+      """Unit (head, item)'s head, item, its table row reader, and its KV tile range."""
+      h, w = hw
       meta = lambda col: meta_ref[w, col]  # noqa: E731
       return h, w, meta, meta(_T_LO), meta(_T_HI)
+
+    def take(k):
+      """(Dynamic, compute warpgroups) this program's k-th claim: a unit, or n_units or
+      more when none is left."""
+      s = lax.rem(k, 2)
+      plgpu.barrier_wait(unit_ready.at[s])
+      u = unit_smem[s]
+      plgpu.barrier_arrive(unit_used.at[s])
+      return u
+
+    def publish(k):
+      """(Dynamic, producer) claims this program's k-th unit and passes it on."""
+      s = lax.rem(k, 2)
+      pl.when(k >= 2)(lambda: plgpu.barrier_wait(unit_used.at[s]))
+      _claim(scalar_ref, unit_smem, s)
+      u = unit_smem[s]
+      plgpu.barrier_arrive(unit_ready.at[s])
+      return u
+
+    def for_each_unit(run, first, next_unit):
+      """run(hw, base, fetch_next) on each of this program's units in turn; base counts
+      the K/V tiles earlier units streamed through the slots. first(hw) runs before the
+      loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
+      its hw) once per unit: with dynamic scheduling, that takes the next claim."""
+      if not dynamic:
+        pl.when(n_local > 0)(lambda: first(units(0)))
+
+        def static_step(k, base):
+          return run(units(k), base, lambda: (k + 1 < n_local, units(k + 1)))
+
+        lax.fori_loop(0, n_local, static_step, jnp.int32(0))
+        return
+      u0 = next_unit(0)
+      pl.when(u0 < n_units)(lambda: first(claimed(u0)))
+
+      def dynamic_step(carry):
+        k, base, u = carry
+        got = []
+
+        def fetch_next():
+          got.append(next_unit(k + 1))
+          return got[0] < n_units, claimed(got[0])
+
+        base = run(claimed(u), base, fetch_next)
+        return k + 1, base, got[0]
+
+      lax.while_loop(lambda carry: carry[2] < n_units, dynamic_step,
+                     (jnp.int32(0), jnp.int32(0), u0))
 
     def slot_of(i, base, item_lo):
       # base: the tiles this program's earlier items streamed through the slots.
@@ -581,19 +706,17 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         """This warpgroup's first Q row in an item (a multiple of 8)."""
         return (meta(_ROW8) + wg * (block_q // 8)) * 8
 
-      def load_q(k):
-        """TMA of local unit k's Q rows of this warpgroup (the Q buffer must be free)."""
-        h, _, meta, _, _ = item_of(k)
+      def load_q(hw):
+        """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free)."""
+        h, _, meta, _, _ = item_of(hw)
         row = first_row(meta)
         for (part, col), s in zip(chunks, q_fill):
           plgpu.copy_gmem_to_smem(
               q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col + col, CHUNK)],
               s, q_bars.at[wg])
 
-      pl.when(n_local > 0)(lambda: load_q(0))
-
-      def run_item(k, base):
-        h, w, meta, item_lo, item_hi = item_of(k)
+      def run_item(hw, base, fetch_next):
+        h, w, meta, item_lo, item_hi = item_of(hw)
         kv_start, kv_len = meta(_KV_START), meta(_KV_LEN)
         kv_row8, kv_last8 = meta(_KV_ROW8), meta(_KV_LAST8)
         tile_row = functools.partial(tile_first_row, kv_row8, kv_last8, block_kv=block_kv)
@@ -640,7 +763,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
           s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
           plgpu.barrier_arrive(k_used.at[slot(i)])
-          s = s * scale
+          fold = FOLD_SCALE and scale > 0  # the row maximum commutes with the scale
+          if not fold:
+            s = s * scale
           if masked:
             iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv),
                                      layout=layout)
@@ -649,9 +774,13 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
             visible = visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len,
                                    block_kv=block_kv)
             s = jnp.where(visible, s, -jnp.inf)
-          m_new = jnp.maximum(m_i, s.max(axis=1))
+          if fold:
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+            p = _exp2_fma(s, scale, lax.broadcast_in_dim(-m_new, s.shape, [0]))
+          else:
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
           alpha = jnp.exp2(m_i - m_new)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
           acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
           l_i = l_i * alpha
           p16 = p.astype(dtype)
@@ -681,7 +810,8 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
         end_turns()
         # The matrix products are done with this Q: the next item's loads while this one
         # is written out.
-        pl.when(k + 1 < n_local)(lambda: load_q(k + 1))
+        has_next, next_hw = fetch_next()
+        pl.when(has_next)(lambda: load_q(next_hw))
 
         seen = l_i > 0
         l_safe = jnp.where(seen, l_i, 1.0)
@@ -716,7 +846,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
               lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
         return base + item_hi - item_lo
 
-      lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+      for_each_unit(run_item, load_q, take)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -724,8 +854,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       plgpu.set_max_registers(40, action="decrease")
       tail8 = scalar_ref[_S_TAIL8]
 
-      def load_item(k, base):
-        h, _, meta, item_lo, item_hi = item_of(k)
+      def load_item(hw, base, fetch_next):
+        # The next unit is claimed before this one's tiles are loaded: the compute
+        # warpgroups then have it when they finish this one.
+        fetch_next()
+        h, _, meta, item_lo, item_hi = item_of(hw)
         kv_head = lax.div(h, jnp.int32(group))
         tile_row = functools.partial(tile_first_row, meta(_KV_ROW8), meta(_KV_LAST8),
                                      block_kv=block_kv)
@@ -801,7 +934,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
         return base + item_hi - item_lo
 
-      lax.fori_loop(0, n_local, load_item, jnp.int32(0))
+      for_each_unit(load_item, lambda hw: None, publish)
 
   pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
@@ -839,15 +972,18 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
     # from XLA's version.
     table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
                                       num_heads=num_heads, group=group,
-                                      num_programs=programs, interpret=interpret, **kw)
+                                      num_programs=programs, unit_order=not DYNAMIC,
+                                      interpret=interpret, **kw)
     lse_slot, kv_end = None, scalars[work_items.S_KV_TAIL]
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
                                                 **kw)
-    head_major = head_major_order(table[:, _T_HI] - table[:, _T_LO], n_live,
-                                  num_heads=num_heads, group=group, num_programs=programs)
+    head_major = jnp.int32(0) if DYNAMIC else head_major_order(
+        table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads, group=group,
+        num_programs=programs)
     scalars = jnp.stack([n_live, jnp.int32(-1) if page_tiles else _floor8(kv_end) // 8,
                          head_major]).astype(jnp.int32)
+    scalars = jnp.pad(scalars, (0, SCALAR_LANES - scalars.shape[0]))  # _S_NEXT: 0
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)
@@ -917,7 +1053,12 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       scale=scale * ragged.LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
       out_dtype=jnp.dtype(output_dtype), page_size=page_size,
-      out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config))
+      out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
+      dynamic=DYNAMIC)
+  if DYNAMIC:
+    # The kernel counts its claims in the scalars' _S_NEXT lane: a fresh copy per call
+    # (a Ref, which the kernel updates in place), whoever else reads the scalars.
+    inputs[1] = jax.new_ref(inputs[1])
   out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))
@@ -925,7 +1066,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       kernel, out_type=out_type, grid=(programs,),
       grid_names=("cta",),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No cross-warp reductions (a row's scores lie in one warp): no scratch for them.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )(*inputs)
   if not return_lse:
     return results[0]

@@ -140,8 +140,39 @@ class _Ops:
     return x
 
 
+def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, group,
+                num_programs):
+  """``mosaic.head_major_order`` of the sorted table's columns: each program's load, one
+  lane per program, a row of dealt units per trip (``sort_buf`` is overwritten)."""
+  tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
+  cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
+  ops.scatter(sort_buf, i, cost)
+  ops.sync()
+  p = _iota(_round(num_programs))
+  units = n_live * num_heads
+  per_kv_head = jnp.maximum(n_live * group, 1)
+
+  def deal(r, loads):
+    by_item, by_kv_head = loads
+    # (``mosaic._dealt_unit``'s zigzag; arithmetic, as a select on a scalar does not lower)
+    u = r * num_programs + p + lax.rem(r, 2) * (num_programs - 1 - 2 * p)
+    ok = (p < num_programs) & (u < units)
+    u = jnp.where(ok, u, 0)
+    item = ops.gather(sort_buf, jnp.clip(lax.div(u, num_heads), 0, n_items - 1))
+    head = ops.gather(sort_buf, jnp.clip(lax.div(lax.rem(u, per_kv_head), group), 0,
+                                         n_items - 1))
+    return by_item + jnp.where(ok, item, 0), by_kv_head + jnp.where(ok, head, 0)
+
+  zero = p * 0
+  by_item, by_kv_head = lax.fori_loop(0, lax.div(units + num_programs - 1, num_programs),
+                                      deal, (zero, zero))
+  worst_item, worst_kv_head = jnp.max(by_item), jnp.max(by_kv_head)
+  return jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
+
+
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
-            num_heads, group, num_programs, kv_given, paged_cap, page_tiles, interpret):
+            num_heads, group, num_programs, kv_given, paged_cap, page_tiles, unit_order,
+            interpret):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_off_ref = refs.pop(0) if kv_given else None
@@ -231,35 +262,13 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     for c, x in enumerate(sorted_cols):
       ops.scatter(table_ref, i * n_cols + c, x)
 
-    # The unit order (``mosaic.head_major_order``): each program's load, one lane per
-    # program, a row of dealt units per trip.
-    tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
-    cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
-    ops.scatter(sort_buf, i, cost)
-    ops.sync()
-    p = _iota(_round(num_programs))
-    units = n_live * num_heads
-    per_kv_head = jnp.maximum(n_live * group, 1)
-
-    def deal(r, loads):
-      by_item, by_kv_head = loads
-      # (``mosaic._dealt_unit``'s zigzag; arithmetic, as a select on a scalar does not lower)
-      u = r * num_programs + p + lax.rem(r, 2) * (num_programs - 1 - 2 * p)
-      ok = (p < num_programs) & (u < units)
-      u = jnp.where(ok, u, 0)
-      item = ops.gather(sort_buf, clip(lax.div(u, num_heads), 0, n_items - 1))
-      head = ops.gather(sort_buf, clip(lax.div(lax.rem(u, per_kv_head), group), 0,
-                                       n_items - 1))
-      return by_item + jnp.where(ok, item, 0), by_kv_head + jnp.where(ok, head, 0)
-
-    zero = p * 0
-    by_item, by_kv_head = lax.fori_loop(0, lax.div(units + num_programs - 1, num_programs),
-                                        deal, (zero, zero))
-    worst_item, worst_kv_head = jnp.max(by_item), jnp.max(by_kv_head)
-    head_major = jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
+    head_major = 0  # without ``unit_order`` (dynamic scheduling: the kernel's own order)
+    if unit_order:
+      head_major = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
+                               num_heads=num_heads, group=group, num_programs=num_programs)
     s = _iota(WARPGROUP)
     tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``mosaic.operands`` has it
-    scalars = s * 0
+    scalars = s * 0  # the other lanes: 0, mosaic._S_NEXT (the claim count) among them
     lanes = (mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR, S_KV_TAIL)
     for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail)):
       scalars = jnp.where(s == lane, x, scalars)
@@ -283,13 +292,15 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 
 def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
-          group, num_programs, paged_cache=None, page_tiles=False, interpret=False):
+          group, num_programs, paged_cache=None, page_tiles=False, unit_order=True,
+          interpret=False):
   """``mosaic.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
   that run, the last key's 8-row group, the unit order of ``head_major_order`` for
-  ``num_programs`` programs, and the end of the last sequence's keys). Only where
-  ``fits``; arguments as ``work_list``'s."""
+  ``num_programs`` programs (0 without ``unit_order``, for dynamic scheduling), and the
+  end of the last sequence's keys; the rest zeros). Only where ``fits``; arguments as
+  ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = mosaic.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
@@ -306,7 +317,7 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
       block_q=block_q, block_kv=block_kv, num_items=num_items, num_heads=num_heads,
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_offsets is not None, paged_cap=paged_cap,
-      page_tiles=page_tiles, interpret=interpret)
+      page_tiles=page_tiles, unit_order=unit_order, interpret=interpret)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

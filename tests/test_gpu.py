@@ -158,3 +158,20 @@ def test_mosaic_work_items_match_xla(case):
   against XLA's table and scalars, the cases tests/test_work_items.py interprets."""
   for seed in range(3):
     test_work_items.check_work_items(case, interpret=False, seed=seed)
+
+
+def test_mosaic_two_calls_on_the_same_offsets_in_one_jit():
+  """Two calls on the same offsets under one jit (two layers): XLA may build their work
+  list once, and each call still claims every one of its units (dynamic scheduling counts
+  claims in the call's own copy of the scalars; a shared counter would leave the second
+  call nothing to run)."""
+  case = cases.Case(lens=(300, 7, 1000, 64), heads=8, kv_heads=2, head_dim=128, config=None)
+  (q1, k, v, off), kwargs, last_row = cases.make_inputs(case, seed := cases.fresh_seed())
+  (q2, *_), _, _ = cases.make_inputs(case, seed + 1)
+  call = lambda q: pp.mha_prefill(q, k, v, off, interpret=False,  # noqa: E731
+                                  backend="mosaic_gpu", **kwargs)
+  poison_device_memory()
+  results = jax.jit(lambda a, b: (call(a), call(b)))(q1, q2)
+  for q, result in zip((q1, q2), results):
+    expected = pp.reference.mha_prefill_reference(q, k, v, off, **kwargs)
+    cases.check_outputs(case, result, expected, last_row, seed)

@@ -638,12 +638,49 @@ def test_the_work_list_kernel_runs_before_the_attention(monkeypatch, lse, build,
   assert text.count(f"custom_call @{MOSAIC_CALL}(") == calls
 
 
+def _attention_call(text):
+  [call] = [line for line in text.splitlines()
+            if f"custom_call @{MOSAIC_CALL}(" in line and "xbf16>" in line]  # not work_items
+  return call
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("dynamic,fold", [(True, True), (False, False)])
+def test_dynamic_units_are_claimed_from_a_copy_per_call(monkeypatch, kind, dynamic, fold):
+  """With dynamic scheduling (``mosaic.DYNAMIC``) the attention call counts its claims in
+  the scalars' _S_NEXT lane, updated in place: the scalars are aliased to one of its
+  outputs, so that XLA gives every call a fresh copy (a work list shared by two calls
+  under one jit must not share the count). The static deal (and the unfolded scale,
+  ``FOLD_SCALE``, measured against) lower too and alias nothing."""
+  monkeypatch.setattr(mosaic, "DYNAMIC", dynamic)
+  monkeypatch.setattr(mosaic, "FOLD_SCALE", fold)
+  jax.clear_caches()  # mha_prefill's trace does not key on the flags
+  heads = dict(heads=16, kv_heads=16) if kind == "mla" else {}
+  call = _attention_call(Lowered(kind=kind, **heads).lower().as_text())
+  jax.clear_caches()
+  assert ("output_operand_alias" in call) == dynamic
+
+
+def test_the_scalars_start_the_claim_count_at_zero():
+  """Both builders of the scalars (XLA's, with the LSE; work_items' kernel, interpreted,
+  without) give the kernel ``SCALAR_LANES`` lanes or more with _S_NEXT = 0."""
+  case = cases.Case(lens=(100, 0, 37), head_dim=64, heads=4, kv_heads=2)
+  (q, k, v, off), _, _ = cases.make_inputs(case, cases.fresh_seed())
+  got = []
+  for lse in (True, False):
+    inputs, _, _ = mosaic.operands([q], [k], v, off, None, None, mask=case.mask,
+                                   return_lse=lse, config=pp.MosaicConfig(), interpret=True)
+    scalars = np.asarray(inputs[1])
+    assert scalars.shape[0] >= mosaic.SCALAR_LANES and scalars[mosaic._S_NEXT] == 0
+    got.append(scalars[[mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR]])
+  np.testing.assert_array_equal(*got)
+  assert got[0][0] >= 2  # the two non-empty sequences' items at least
+
+
 def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
   """Q, K and V reach the kernel as they are: TMA fills untiled 64-column buffers from
   any row of arrays of any row count."""
-  text = Lowered(total_q=1001, total_kv=1503).lower().as_text()
-  [call] = [line for line in text.splitlines()
-            if f"custom_call @{MOSAIC_CALL}(" in line and "xbf16>" in line]  # not work_items
+  call = _attention_call(Lowered(total_q=1001, total_kv=1503).lower().as_text())
   operand_types = call.rsplit(" : (", 1)[1].split(") -> ")[0]
   assert "tensor<1001x8x128xbf16>, tensor<1503x2x128xbf16>, tensor<1503x2x128xbf16>" in (
       operand_types)

@@ -64,7 +64,7 @@ def _offsets(lens):
   return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def check_work_items(case: WorkCase, interpret: bool, seed: int = 0):
+def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, unit_order=True):
   rng = np.random.default_rng(seed)
   off = _offsets(case.lens)
   total_q = int(off[-1]) + case.extra_rows
@@ -92,17 +92,26 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0):
   assert work_items.fits(table.shape[0], len(case.lens), bound)
   got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
-                                  interpret=interpret, **kw)
+                                  unit_order=unit_order, interpret=interpret, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
   assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
   np.testing.assert_array_equal(got[:table.shape[0]], table)
   tail8 = -1 if page_tiles else int(kv_end) // 8
-  assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
+  head_major = int(head_major) if unit_order else 0  # none for dynamic scheduling
+  assert list(scalars[:4]) == [int(n_live), tail8, head_major, int(kv_end)]
+  assert not scalars[4:].any()  # mosaic._S_NEXT among them: the claims start at 0
 
 
 @pytest.mark.parametrize("case", WORK_CASES, ids=lambda c: c.name)
 def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
+
+
+@pytest.mark.parametrize("case", WORK_CASES[:3], ids=lambda c: c.name)
+def test_work_items_without_the_unit_order(case):
+  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel skips the unit order's loop:
+  the same table, and 0 in the scalars' unit-order lane."""
+  check_work_items(case, interpret=True, unit_order=False)
 
 
 def test_work_items_check_can_fail(monkeypatch):
