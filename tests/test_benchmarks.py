@@ -3,6 +3,7 @@
 themselves unavailable here)."""
 
 import json
+import os
 
 import pytest
 
@@ -132,3 +133,50 @@ def test_profile_runs_one_call(monkeypatch, capsys):
   profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
   assert "unprofiled) one call: mha tiny pallas_prefill" in capsys.readouterr().out
+
+
+def test_ab_runs_the_arms_in_turn_and_takes_medians(monkeypatch, tmp_path, capsys):
+  from benchmarks import ab  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def fake_arm(flags, harness_args, out):
+    calls.append((dict(flags), os.path.basename(out)))
+    tflops = {True: [100.0, 110.0, 300.0], False: [50.0, 70.0, 1.0]}[flags["DYNAMIC"]]
+    os.makedirs(out)
+    with open(os.path.join(out, "results.json"), "w") as f:
+      json.dump(dict(meta={}, rows=[dict(kernel="mha", workload="tiny", system=s,
+                                         tflops=tflops[int(out[-1])], correct=True)
+                                    for s in harness_args[1:]]), f)
+
+  monkeypatch.setattr(ab, "run_arm", fake_arm)
+  ab.main(["--arm", "dyn", "DYNAMIC=True", "FOLD_SCALE=False", "--arm", "static",
+           "DYNAMIC=False", "--rounds", "3", "--out", str(tmp_path), "--", "--systems",
+           "pallas_prefill_mosaic"])
+  assert [name for _, name in calls] == ["dyn-r0", "static-r0", "dyn-r1", "static-r1",
+                                          "dyn-r2", "static-r2"]
+  assert calls[0][0] == {"DYNAMIC": True, "FOLD_SCALE": False}
+  assert "| mha | tiny | pallas_prefill_mosaic | 110.0 | 50.0 | 0.455 |" in (
+      capsys.readouterr().out)
+  [row] = json.loads((tmp_path / "ab.json").read_text())["rows"]
+  assert row["tflops"] == {"dyn": 110.0, "static": 50.0} and row["correct"]
+
+
+@pytest.mark.parametrize("setting", ["NOPE=1", "DYNAMIC=1", "DYNAMIC", "dynamic=True",
+                                     "DYNAMIC=maybe"])
+def test_ab_refuses_what_is_not_a_flag(setting):
+  from benchmarks import ab  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    ab.main(["--arm", "a", setting, "--rounds", "1"])
+
+
+def test_ab_child_process_sets_the_flags_and_runs_the_harness(tmp_path, capfd):
+  """One real arm on the CPU: the child sets the flag, then runs the harness (Triton in
+  interpret mode on the tiny workload)."""
+  from benchmarks import ab  # pylint: disable=g-import-not-at-top
+  ab.main(["--arm", "static", "DYNAMIC=False", "--rounds", "1", "--out", str(tmp_path),
+           "--", "--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill"])
+  assert "mosaic flags set: {'DYNAMIC': False}" in capfd.readouterr().out
+  [row] = json.loads((tmp_path / "static-r0" / "results.json").read_text())["rows"]
+  assert row["system"] == "pallas_prefill" and row["correct"]
+  assert json.loads((tmp_path / "ab.json").read_text())["arms"] == {
+      "static": {"DYNAMIC": False}}

@@ -1,0 +1,131 @@
+"""A/B runs of the Mosaic GPU backend's module flags: each arm in its own process, in turn.
+
+    python -m benchmarks.ab --arm NAME FLAG=VALUE [FLAG=VALUE ...] --arm NAME ... \\
+        [--rounds 2] [--out DIR] [-- HARNESS ARGS]
+
+For example, dynamic scheduling against the static deal on MHA's equal prompts:
+
+    python -m benchmarks.ab --arm dynamic DYNAMIC=True --arm static DYNAMIC=False \\
+        --out $OUT -- --kernels mha --workloads equal4x4096
+
+The flags are ``pallas_prefill.mosaic``'s module constants (``DYNAMIC``, ``FOLD_SCALE``,
+``BUILD_WORK_LIST``, ...), values Python literals. A jitted call's trace does not key on
+them, so each arm needs a process of its own (``python -m benchmarks.run`` with the flags
+set first). The arms run in turn, ``--rounds`` times (A B A B ...), so that a machine
+that warms up over the run does not favour the later arm. The harness arguments after
+``--`` go to every arm (default: our Mosaic GPU system alone). Each arm's rows land in
+DIR/NAME-rROUND/; DIR/ab.json holds the medians over rounds; prints a table of them and
+of each arm's ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from pallas_prefill import mosaic
+
+# The child process: the flags (JSON) first, then the harness's arguments.
+_CHILD = ("import json, sys; from pallas_prefill import mosaic; "
+          "[setattr(mosaic, k, v) for k, v in json.loads(sys.argv[1]).items()]; "
+          "print('mosaic flags set:', {k: getattr(mosaic, k) for k in "
+          "json.loads(sys.argv[1])}, flush=True); "
+          "from benchmarks import run; sys.exit(run.main(sys.argv[2:]))")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_flags(settings):
+  """{"NAME": value} from ["NAME=VALUE", ...]: upper-case constants that
+  ``pallas_prefill.mosaic`` has, values Python literals of the constant's type."""
+  flags = {}
+  for setting in settings:
+    name, sep, text = setting.partition("=")
+    if not sep or not name.isupper() or not hasattr(mosaic, name):
+      raise ValueError(f"{setting!r} is not FLAG=VALUE for a constant of "
+                       "pallas_prefill.mosaic (e.g. DYNAMIC=False)")
+    value = ast.literal_eval(text)
+    if type(value) is not type(getattr(mosaic, name)):
+      raise ValueError(f"{name} is a {type(getattr(mosaic, name)).__name__}, got {text!r}")
+    flags[name] = value
+  return flags
+
+
+def run_arm(flags, harness_args, out) -> None:
+  """One arm's harness run in its own process (replaced in the tests)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+  subprocess.run([sys.executable, "-c", _CHILD, json.dumps(flags), *harness_args,
+                  "--out", out], env=env, check=True)
+
+
+def medians(arms, rounds, out):
+  """{(kernel, workload, system): {arm: (median TFLOP/s, all rounds correct)}}."""
+  table = {}
+  for name in arms:
+    per_case = {}
+    for r in range(rounds):
+      with open(os.path.join(out, f"{name}-r{r}", "results.json")) as f:
+        for row in json.load(f)["rows"]:
+          key = (row["kernel"], row["workload"], row["system"])
+          per_case.setdefault(key, []).append(row)
+    for key, rows in per_case.items():
+      table.setdefault(key, {})[name] = (statistics.median(x["tflops"] for x in rows),
+                                         all(x["correct"] for x in rows))
+  return table
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  harness_args = ["--systems", "pallas_prefill_mosaic"]
+  if "--" in argv:
+    cut = argv.index("--")
+    argv, harness_args = argv[:cut], argv[cut + 1:]
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--arm", nargs="+", action="append", required=True,
+                      metavar="NAME FLAG=VALUE", help="an arm's name and its flags")
+  parser.add_argument("--rounds", type=int, default=2, help="A B A B ... this many times")
+  parser.add_argument("--out", default="ab-out", help="folder for the results")
+  args = parser.parse_args(argv)
+  if "--out" in harness_args:
+    parser.error("give --out before the --, not to the harness")
+  arms = {}
+  for name, *settings in args.arm:
+    if name in arms or "=" in name:
+      parser.error(f"arm names must be unique and come first: {name!r}")
+    try:
+      arms[name] = parse_flags(settings)
+    except (ValueError, SyntaxError) as e:
+      parser.error(str(e))
+  os.makedirs(args.out, exist_ok=True)
+  for r in range(args.rounds):
+    for name, flags in arms.items():
+      print(f"== round {r}, arm {name}: {flags}", flush=True)
+      run_arm(flags, harness_args, os.path.join(args.out, f"{name}-r{r}"))
+  table = medians(arms, args.rounds, args.out)
+  first = next(iter(arms))
+  with open(os.path.join(args.out, "ab.json"), "w") as f:
+    json.dump(dict(arms=arms, rounds=args.rounds, harness_args=harness_args,
+                   rows=[dict(kernel=k, workload=w, system=s, tflops={
+                       a: t for a, (t, _) in by_arm.items()}, correct=all(
+                           c for _, c in by_arm.values()))
+                         for (k, w, s), by_arm in table.items()]), f, indent=1)
+  print("| kernel | workload | system | " + " | ".join(arms) + " | "
+        + " | ".join(f"{a} / {first}" for a in list(arms)[1:]) + " |")
+  print("|" + "---|" * (3 + 2 * len(arms) - 1))
+  for (kernel, workload, system), by_arm in table.items():
+    cells = [f"{by_arm[a][0]:.1f}" + ("" if by_arm[a][1] else " (wrong)") if a in by_arm
+             else "-" for a in arms]
+    ratios = [f"{by_arm[a][0] / by_arm[first][0]:.3f}"
+              if a in by_arm and first in by_arm and by_arm[first][0] else "-"
+              for a in list(arms)[1:]]
+    print(f"| {kernel} | {workload} | {system} | " + " | ".join(cells + ratios) + " |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
