@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks import run
 from pallas_prefill import mosaic
 
 # The child process: the flags (JSON) first, then the harness's arguments.
@@ -64,19 +65,20 @@ def run_arm(flags, harness_args, out) -> None:
 
 
 def medians(arms, rounds, out):
-  """{(kernel, workload, system): {arm: (median TFLOP/s, all rounds correct)}}."""
-  table = {}
+  """One row per (kernel, workload, system): each arm's median TFLOP/s over its rounds
+  (``tflops``) and whether all of its rounds were correct (``correct``)."""
+  per_case = {}
   for name in arms:
-    per_case = {}
     for r in range(rounds):
       with open(os.path.join(out, f"{name}-r{r}", "results.json")) as f:
         for row in json.load(f)["rows"]:
           key = (row["kernel"], row["workload"], row["system"])
-          per_case.setdefault(key, []).append(row)
-    for key, rows in per_case.items():
-      table.setdefault(key, {})[name] = (statistics.median(x["tflops"] for x in rows),
-                                         all(x["correct"] for x in rows))
-  return table
+          per_case.setdefault(key, {}).setdefault(name, []).append(row)
+  return [dict(kernel=k, workload=w, system=s,
+               tflops={a: statistics.median(x["tflops"] for x in rs)
+                       for a, rs in by_arm.items()},
+               correct={a: all(x["correct"] for x in rs) for a, rs in by_arm.items()})
+          for (k, w, s), by_arm in per_case.items()]
 
 
 def main(argv=None):
@@ -106,24 +108,20 @@ def main(argv=None):
     for name, flags in arms.items():
       print(f"== round {r}, arm {name}: {flags}", flush=True)
       run_arm(flags, harness_args, os.path.join(args.out, f"{name}-r{r}"))
-  table = medians(arms, args.rounds, args.out)
-  first = next(iter(arms))
-  with open(os.path.join(args.out, "ab.json"), "w") as f:
-    json.dump(dict(arms=arms, rounds=args.rounds, harness_args=harness_args,
-                   rows=[dict(kernel=k, workload=w, system=s, tflops={
-                       a: t for a, (t, _) in by_arm.items()}, correct=all(
-                           c for _, c in by_arm.values()))
-                         for (k, w, s), by_arm in table.items()]), f, indent=1)
-  print("| kernel | workload | system | " + " | ".join(arms) + " | "
-        + " | ".join(f"{a} / {first}" for a in list(arms)[1:]) + " |")
-  print("|" + "---|" * (3 + 2 * len(arms) - 1))
-  for (kernel, workload, system), by_arm in table.items():
-    cells = [f"{by_arm[a][0]:.1f}" + ("" if by_arm[a][1] else " (wrong)") if a in by_arm
-             else "-" for a in arms]
-    ratios = [f"{by_arm[a][0] / by_arm[first][0]:.3f}"
-              if a in by_arm and first in by_arm and by_arm[first][0] else "-"
-              for a in list(arms)[1:]]
-    print(f"| {kernel} | {workload} | {system} | " + " | ".join(cells + ratios) + " |")
+  first, rest = list(arms)[0], list(arms)[1:]
+
+  def cell(arm):
+    return lambda r: (f"{r['tflops'][arm]:.1f}" + ("" if r["correct"][arm] else " (wrong)")
+                      if arm in r["tflops"] else "-")
+
+  def ratio(arm):
+    return lambda r: (f"{r['tflops'][arm] / r['tflops'][first]:.3f}"
+                      if arm in r["tflops"] and r["tflops"].get(first) else "-")
+
+  run.report(os.path.join(args.out, "ab.json"), medians(arms, args.rounds, args.out),
+             [(h, (lambda r, h=h: r[h])) for h in ("kernel", "workload", "system")]
+             + [(a, cell(a)) for a in arms] + [(f"{a} / {first}", ratio(a)) for a in rest],
+             arms=arms, rounds=args.rounds, harness_args=harness_args)
   return 0
 
 

@@ -145,11 +145,12 @@ def chart(rows, path) -> bool:
   return True
 
 
-def report(path, rows, columns) -> None:
-  """A measuring tool's results: ``rows`` with the commit and jax version to ``path``
-  (JSON), and a Markdown table of ``columns``, (header, row -> cell text) pairs."""
+def report(path, rows, columns, **meta) -> None:
+  """A measuring tool's results: ``rows`` with the commit, the jax version and ``meta``
+  to ``path`` (JSON), and a Markdown table of ``columns``, (header, row -> cell text)
+  pairs."""
   with open(path, "w") as f:
-    json.dump(dict(commit=commit(), jax=jax.__version__, rows=rows), f, indent=1)
+    json.dump(dict(commit=commit(), jax=jax.__version__, **meta, rows=rows), f, indent=1)
   print("| " + " | ".join(h for h, _ in columns) + " |")
   print("|" + "---|" * len(columns))
   for r in rows:

@@ -158,7 +158,8 @@ def test_ab_runs_the_arms_in_turn_and_takes_medians(monkeypatch, tmp_path, capsy
   assert "| mha | tiny | pallas_prefill_mosaic | 110.0 | 50.0 | 0.455 |" in (
       capsys.readouterr().out)
   [row] = json.loads((tmp_path / "ab.json").read_text())["rows"]
-  assert row["tflops"] == {"dyn": 110.0, "static": 50.0} and row["correct"]
+  assert row["tflops"] == {"dyn": 110.0, "static": 50.0}
+  assert row["correct"] == {"dyn": True, "static": True}
 
 
 @pytest.mark.parametrize("setting", ["NOPE=1", "DYNAMIC=1", "DYNAMIC", "dynamic=True",
