@@ -52,6 +52,11 @@ def sizes(num_items: int, batch: int) -> tuple[int, int]:
   return _pow2(num_items), _round(batch + 2)
 
 
+def num_columns(page_tiles: bool) -> int:
+  """The table's columns: ``mosaic``'s, plus the item's sequence with ``page_tiles``."""
+  return mosaic._META_COLS + (1 if page_tiles else 0)
+
+
 def fits(num_items: int, batch: int, kv_tile_bound: int) -> bool:
   """Whether ``build`` serves a work list of ``num_items`` items over ``batch``
   sequences whose items have at most ``kv_tile_bound`` KV tiles each (the sort packs
@@ -181,7 +186,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   ops = _Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
   rows = mosaic.COMPUTE_WGS * block_q
-  n_cols = mosaic._META_COLS + (1 if page_tiles else 0)
+  n_cols = num_columns(page_tiles)
   clip = jnp.clip
 
   def body(seq_bufs, scan_buf, mark, col_bufs, sort_buf):
@@ -304,7 +309,7 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
   batch = q_offsets.shape[0] - 1
   num_items = mosaic.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
-  n_cols = mosaic._META_COLS + (1 if page_tiles else 0)
+  n_cols = num_columns(page_tiles)
   paged_cap = None
   inputs = [q_offsets.astype(jnp.int32)]
   if paged_cache is not None:
