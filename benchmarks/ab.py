@@ -42,7 +42,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse_flags(settings):
   """{"NAME": value} from ["NAME=VALUE", ...]: upper-case constants that
-  ``pallas_prefill.mosaic`` has, values Python literals of the constant's type."""
+  ``pallas_prefill.mosaic`` has, values Python literals of the constant's type (any
+  literal for a constant that is None, such as ``DYNAMIC_HEAD_MAJOR``)."""
   flags = {}
   for setting in settings:
     name, sep, text = setting.partition("=")
@@ -50,8 +51,9 @@ def parse_flags(settings):
       raise ValueError(f"{setting!r} is not FLAG=VALUE for a constant of "
                        "pallas_prefill.mosaic (e.g. DYNAMIC=False)")
     value = ast.literal_eval(text)
-    if type(value) is not type(getattr(mosaic, name)):
-      raise ValueError(f"{name} is a {type(getattr(mosaic, name)).__name__}, got {text!r}")
+    current = getattr(mosaic, name)
+    if current is not None and type(value) is not type(current):
+      raise ValueError(f"{name} is a {type(current).__name__}, got {text!r}")
     flags[name] = value
   return flags
 

@@ -11,9 +11,11 @@ streams the next unit's first tiles and each compute warpgroup loads its next Q 
 last unit is finished and written out. The units are scheduled dynamically
 (``DYNAMIC``): each program's producer claims its next unit from a global counter (an
 atomic add, ``_claim``) one unit ahead and passes it to the compute warpgroups through
-shared memory, in K/V-head-major order (``unit_head_item``: the units running together
-share a K/V head's rows in L2, heaviest items first within it), so that programs balance
-whatever the order and the units' real costs. Behind the flag, the static deal
+shared memory, so that programs balance whatever the units' real costs. The units come
+in K/V-head-major order (``unit_head_item``: the units running together share a K/V
+head's rows in L2, heaviest items first within it), or item-major where that order
+would leave the last K/V head's heavy units to the end (``dynamic_head_major_order``, per
+call: chunked prefill, few items over long cached prefixes). Behind the flag, the static deal
 (``program_unit``): item-major or, where that balances as well (``head_major_order``, per
 call), K/V-head-major.
 
@@ -122,9 +124,12 @@ TURN_BARRIER = 4
 # sizes and no LSE is asked for (``work_items``); False: always XLA's (``work_list``).
 BUILD_WORK_LIST = True
 # Dynamic scheduling: each program's producer claims its next unit from a global counter
-# (``_claim``), in K/V-head-major order, and passes it to the compute warpgroups through
-# shared memory; False: the static deal of ``program_unit``.
+# (``_claim``), in the order ``dynamic_head_major_order`` picks, and passes it to the
+# compute warpgroups through shared memory; False: the static deal of ``program_unit``.
 DYNAMIC = True
+# With ``DYNAMIC``, the unit order: None picks it per call (``dynamic_head_major_order``);
+# 1 (K/V-head-major) or 0 (item-major) forces it, for A/B runs.
+DYNAMIC_HEAD_MAJOR = None
 # The softmax's scale folded into its exponent (``_exp2_fma``: one FFMA per score instead
 # of a multiplication and a subtraction), where the scale is positive.
 FOLD_SCALE = True
@@ -470,6 +475,49 @@ def head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
   return head_major_wins(worst(by_kv_head), worst(by_item)).astype(jnp.int32)
 
 
+def dynamic_head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
+  """With dynamic scheduling, whether the units run K/V-head-major: 1 when that order's
+  estimated end, by the items' KV tiles, is at most ``HEAD_MAJOR_SLACK`` times the
+  item-major order's, else 0 (an int32 scalar, computed in XLA; ``work_items`` computes
+  the same in its kernel).
+
+  The programs take units in order as they free up, so a unit starts about when the
+  units before it, spread over the programs, are done, and the call ends when the latest
+  ``start + cost`` does (``claimed_order_end``). Items come heaviest first, so
+  item-major ends within about one light unit of the average; K/V-head-major starts the
+  last K/V head's heavy items only after the other heads' work, which costs a heavy
+  unit's time at the end where the units of one K/V head are few against the programs
+  (MHA's chunked prefill: 26 % slower than the static deal in the tenth session).
+
+  item_tiles: [num_items] KV tiles of each item in table order (items past n_live do not
+  run)."""
+  items = item_tiles.shape[0]
+  cost = jnp.where(jnp.arange(items) < n_live, item_tiles + UNIT_COST_TILES, 0)
+  cost = cost.astype(jnp.int32)
+  before = jnp.cumsum(cost) - cost
+  ends = claimed_order_end(cost, before, jnp.sum(cost), num_heads=num_heads, group=group,
+                           num_programs=num_programs)
+  return head_major_wins(*ends).astype(jnp.int32)
+
+
+def claimed_order_end(cost, before, total, *, num_heads, group, num_programs):
+  """The estimated ends (in tiles: K/V-head-major, item-major) of units claimed in order
+  by ``num_programs`` programs: the largest over the items of (the work claimed before
+  the item's last unit) / num_programs + the item's cost. ``cost``: each item's cost
+  (0 past the live items), ``before``: the exclusive prefix sum of ``cost``, ``total``
+  its sum (int32; the same arithmetic in XLA and in ``work_items``' kernel: each term
+  divided on its own, so that num_heads * total stays the largest product)."""
+  p = jnp.int32(num_programs)
+  live = cost > 0
+  # Item-major: the item's num_heads units follow the earlier items' units.
+  by_item = lax.div(num_heads * before + (num_heads - 1) * cost, p) + cost
+  # K/V-head-major: the last K/V head's units of the item follow all other heads' units
+  # and the earlier items' units of that head (its first heads' as well).
+  by_kv_head = (lax.div((num_heads - group) * total, p)
+                + lax.div(group * before + (group - 1) * cost, p) + cost)
+  return (jnp.max(jnp.where(live, by_kv_head, 0)), jnp.max(jnp.where(live, by_item, 0)))
+
+
 def head_major_wins(worst_kv_head, worst_item):
   """Whether the K/V-head-major order's busiest program, of ``worst_kv_head`` tiles, has
   at most ``HEAD_MAJOR_SLACK`` (21/20) times the item-major order's ``worst_item``
@@ -612,9 +660,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                               num_heads=num_heads, group=group, n_live=n_live,
                               head_major=scalar_ref[_S_HEAD_MAJOR])
     n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
-    # Dynamic: unit u (claimed) in K/V-head-major order.
+    # Dynamic: unit u (claimed) in the order ``dynamic_head_major_order`` picked.
     claimed = functools.partial(unit_head_item, num_heads=num_heads, group=group,
-                                n_live=n_live, head_major=1)
+                                n_live=n_live, head_major=scalar_ref[_S_HEAD_MAJOR])
 
     def item_of(hw):
       """Unit (head, item)'s head, item, its table row reader, and its KV tile range."""
@@ -972,15 +1020,19 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
     # from XLA's version.
     table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
                                       num_heads=num_heads, group=group,
-                                      num_programs=programs, unit_order=not DYNAMIC,
+                                      num_programs=programs, dynamic=DYNAMIC,
                                       interpret=interpret, **kw)
     lse_slot, kv_end = None, scalars[work_items.S_KV_TAIL]
+    if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:
+      scalars = scalars.at[_S_HEAD_MAJOR].set(DYNAMIC_HEAD_MAJOR)
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
                                                 **kw)
-    head_major = jnp.int32(0) if DYNAMIC else head_major_order(
-        table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads, group=group,
-        num_programs=programs)
+    order = dynamic_head_major_order if DYNAMIC else head_major_order
+    head_major = order(table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
+                       group=group, num_programs=programs)
+    if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:
+      head_major = jnp.int32(DYNAMIC_HEAD_MAJOR)
     scalars = jnp.stack([n_live, jnp.int32(-1) if page_tiles else _floor8(kv_end) // 8,
                          head_major]).astype(jnp.int32)
     scalars = jnp.pad(scalars, (0, SCALAR_LANES - scalars.shape[0]))  # _S_NEXT: 0

@@ -175,8 +175,20 @@ def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, gr
   return jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
 
 
+def _dynamic_order(ops, sorted_cols, scan_buf, i, n_live, *, num_heads, group,
+                   num_programs):
+  """``mosaic.dynamic_head_major_order`` of the sorted table's columns (one lane per
+  item; ``scan_buf`` is overwritten)."""
+  tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
+  cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
+  before = ops.scan(cost, scan_buf, jnp.add, 0) - cost
+  ends = mosaic.claimed_order_end(cost, before, jnp.sum(cost), num_heads=num_heads,
+                                  group=group, num_programs=num_programs)
+  return jnp.where(mosaic.head_major_wins(*ends), 1, 0)
+
+
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
-            num_heads, group, num_programs, kv_given, paged_cap, page_tiles, unit_order,
+            num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
             interpret):
   refs = list(refs)
   q_off_ref = refs.pop(0)
@@ -267,8 +279,11 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     for c, x in enumerate(sorted_cols):
       ops.scatter(table_ref, i * n_cols + c, x)
 
-    head_major = 0  # without ``unit_order`` (dynamic scheduling: the kernel's own order)
-    if unit_order:
+    if dynamic:
+      head_major = _dynamic_order(ops, sorted_cols, scan_buf, i, n_live,
+                                  num_heads=num_heads, group=group,
+                                  num_programs=num_programs)
+    else:
       head_major = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
                                num_heads=num_heads, group=group, num_programs=num_programs)
     s = _iota(WARPGROUP)
@@ -297,15 +312,15 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 
 def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
-          group, num_programs, paged_cache=None, page_tiles=False, unit_order=True,
+          group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
           interpret=False):
   """``mosaic.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
-  that run, the last key's 8-row group, the unit order of ``head_major_order`` for
-  ``num_programs`` programs (0 without ``unit_order``, for dynamic scheduling), and the
-  end of the last sequence's keys; the rest zeros). Only where ``fits``; arguments as
-  ``work_list``'s."""
+  that run, the last key's 8-row group, the unit order for ``num_programs`` programs
+  (``head_major_order``'s for the static deal, ``dynamic_head_major_order``'s with
+  ``dynamic``), and the end of the last sequence's keys; the rest zeros). Only where
+  ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = mosaic.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
@@ -322,7 +337,7 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
       block_q=block_q, block_kv=block_kv, num_items=num_items, num_heads=num_heads,
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_offsets is not None, paged_cap=paged_cap,
-      page_tiles=page_tiles, unit_order=unit_order, interpret=interpret)
+      page_tiles=page_tiles, dynamic=dynamic, interpret=interpret)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_prefill as pp
-from pallas_prefill import masks
+from pallas_prefill import masks, mosaic
 from tests import cases, test_work_items
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
@@ -117,6 +117,29 @@ def test_mosaic_mla_one_output_buffer(case):
   no room for them at 192 + 128: tests/test_mosaic.py)."""
   case = dataclasses.replace(case, config=MLA_128X2, lse=False)
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
+
+
+@pytest.mark.parametrize("head_major", [0, 1])
+@pytest.mark.parametrize("case", [
+    # chunked prefill over a paged cache (the order picked per call is item-major here)
+    dataclasses.replace(cases.mosaic_variant(_LARGE), lens=(128, 256, 128, 384),
+                        kv_lens=(128, 1280, 2176, 640), page_size=64),
+    dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lens=(300, 7, 1000, 64),
+                        config=pp.MosaicConfig(block_kv=64, num_stages=3)),
+], ids=lambda c: c.name)
+def test_mosaic_dynamic_orders(monkeypatch, case, head_major):
+  """Both orders of dynamic scheduling's units (``mosaic.DYNAMIC_HEAD_MAJOR`` forced;
+  left alone, ``dynamic_head_major_order`` picks one per call), on 5 programs so that each
+  claims many units."""
+  monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
+  jax.clear_caches()  # the entry points' traces do not key on the flag
+  config = dataclasses.replace(case.config or pp.MosaicConfig(), num_programs=5)
+  case = dataclasses.replace(case, config=config)
+  try:
+    cases.check_case(case, interpret=False, poison=poison_device_memory,
+                     backend="mosaic_gpu")
+  finally:
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("lse", [True, False])  # without: work_items' kernel builds the list

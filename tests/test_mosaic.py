@@ -432,6 +432,49 @@ def test_head_major_order_where_it_balances(kind, name, head_major):
   assert (worst[1] <= mosaic.HEAD_MAJOR_SLACK * worst[0]) == bool(head_major)
 
 
+def _claimed_in_order(costs, programs):
+  """When the last of ``costs``' units ends, each claimed in turn by the first program
+  free (dynamic scheduling, every unit taking its cost)."""
+  free = np.zeros(programs)
+  for c in costs:
+    p = np.argmin(free)
+    free[p] += c
+  return free.max()
+
+
+@pytest.mark.parametrize("kind,name,head_major", [
+    ("mha", "equal4x4096", 1), ("mha", "skew16_16k", 1), ("mha", "short64", 1),
+    ("mha", "sliding4x16384_w4096", 1), ("mha", "chunked8x512_page64", 0),
+    ("mla", "equal4x4096", 1), ("mla", "skew16_16k", 1), ("mla", "short64", 1),
+    ("mla", "chunked8x512_page64", 0), ("mha", "short64_prefix512_page64", 1)])
+def test_dynamic_order_on_the_harness_workloads(kind, name, head_major):
+  """The order each harness workload gets with dynamic scheduling on 132 programs:
+  K/V-head-major, except chunked prefill, where the last K/V head's heavy units would
+  start late. ``claimed_order_end``'s estimates bound the ends of the units claimed in
+  turn (simulated here, as tiles) from above, within its rounding."""
+  w = benchmark_workloads.WORKLOADS[name]
+  heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
+  off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
+  kv_off = jnp.asarray(benchmark_workloads.offsets(w.kv_lens or w.q_lens), jnp.int32)
+  table, _, _, n_live = mosaic.work_list(off, kv_off, int(off[-1]), int(kv_off[-1]),
+                                         mask=w.mask, block_q=64, block_kv=block_kv)
+  tiles = table[:, mosaic._T_HI] - table[:, mosaic._T_LO]
+  got = mosaic.dynamic_head_major_order(tiles, n_live, num_heads=heads, group=group,
+                                        num_programs=132)
+  assert int(got) == head_major
+  n = int(n_live)
+  cost = np.where(np.arange(tiles.shape[0]) < n, np.asarray(tiles) + mosaic.UNIT_COST_TILES,
+                  0)
+  ends = mosaic.claimed_order_end(jnp.asarray(cost), jnp.asarray(np.cumsum(cost) - cost),
+                                  int(cost.sum()), num_heads=heads, group=group,
+                                  num_programs=132)
+  for order, end in zip((1, 0), ends):
+    _, item = mosaic.unit_head_item(jnp.arange(n * heads), num_heads=heads, group=group,
+                                    n_live=jnp.int32(n), head_major=jnp.int32(order))
+    simulated = _claimed_in_order(cost[np.asarray(item)], 132)
+    assert simulated - 2 <= int(end) <= 1.2 * simulated, (order, simulated, int(end))
+
+
 def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
   x = jnp.ones((rows, 4, depth), dtype)
   return x, x, x, jnp.asarray([0, rows], jnp.int32)

@@ -57,6 +57,10 @@ WORK_CASES = [
     WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, True), block_kv=64),
     WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, False), block_kv=64),
     WorkCase(tuple(int(x) for x in _RNG.integers(1, 40, 300)), heads=4, group=2),
+    # chunked prefill: few items over long cached prefixes, item-major with dynamic
+    # scheduling (``mosaic.dynamic_head_major_order``)
+    WorkCase((512,) * 8, kv_lens=tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120,
+                                                            6144, 8192))),
 ]
 
 
@@ -64,7 +68,7 @@ def _offsets(lens):
   return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, unit_order=True):
+def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=False):
   rng = np.random.default_rng(seed)
   off = _offsets(case.lens)
   total_q = int(off[-1]) + case.extra_rows
@@ -85,20 +89,19 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, unit_order=
             paged_cache=paged, page_tiles=page_tiles)
   table, _, kv_end, n_live = mosaic.work_list(off, kv_off, total_q, total_kv, **kw)
   programs = min(case.programs, case.heads * table.shape[0])
-  head_major = mosaic.head_major_order(
-      table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=case.heads,
-      group=case.group, num_programs=programs)
+  order = mosaic.dynamic_head_major_order if dynamic else mosaic.head_major_order
+  head_major = order(table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live,
+                     num_heads=case.heads, group=case.group, num_programs=programs)
   bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
   assert work_items.fits(table.shape[0], len(case.lens), bound)
   got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
-                                  unit_order=unit_order, interpret=interpret, **kw)
+                                  dynamic=dynamic, interpret=interpret, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
   assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
   np.testing.assert_array_equal(got[:table.shape[0]], table)
   tail8 = -1 if page_tiles else int(kv_end) // 8
-  head_major = int(head_major) if unit_order else 0  # none for dynamic scheduling
-  assert list(scalars[:4]) == [int(n_live), tail8, head_major, int(kv_end)]
+  assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
   assert not scalars[4:].any()  # mosaic._S_NEXT among them: the claims start at 0
 
 
@@ -107,11 +110,15 @@ def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
 
 
-@pytest.mark.parametrize("case", WORK_CASES[:3], ids=lambda c: c.name)
-def test_work_items_without_the_unit_order(case):
-  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel skips the unit order's loop:
-  the same table, and 0 in the scalars' unit-order lane."""
-  check_work_items(case, interpret=True, unit_order=False)
+DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], WORK_CASES[-1]]
+
+
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: c.name)
+def test_work_items_dynamic_order(case):
+  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel picks the order by
+  ``mosaic.dynamic_head_major_order`` instead of dealing the units out: the same table,
+  and XLA's choice in the scalars' unit-order lane (item-major on the chunked case)."""
+  check_work_items(case, interpret=True, dynamic=True)
 
 
 def test_work_items_check_can_fail(monkeypatch):
