@@ -1,7 +1,7 @@
 """The benchmark harness: pallas_prefill beside every alternative the machine has.
 
     python -m benchmarks.run [--kernels mha mla] [--workloads NAME ...]
-        [--systems NAME ...] [--out DIR]
+        [--systems NAME ...] [--rounds N] [--rest SECONDS] [--out DIR]
 
 In one process and one run: for each kernel and workload (benchmarks/workloads.py), every
 system (benchmarks/systems.py) that can serve it is timed (median per call of 5 rounds of
@@ -9,6 +9,11 @@ system (benchmarks/systems.py) that can serve it is timed (median per call of 5 
 triton.testing.do_bench's median), its output compared with the float32 reference on the
 same inputs, and a line printed as it goes. A figure counts only when its relative error
 is under 2e-2. Useful TFLOP/s count the real tokens' FLOPs only (anchors-h200.md).
+With ``--rounds N`` the systems of a workload are timed N times in turns (A B C A B C ...),
+each after ``--rest`` seconds with the GPU idle, and a row's time is the median of its
+rounds (``ms_rounds`` lists them): the H200's power state moves a single measurement by
+10-15 % (BUILD_NOTES.md), so that systems within that of each other need rounds to be
+told apart.
 Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, when
 matplotlib is importable, DIR/results.png.
 """
@@ -82,10 +87,11 @@ def commit() -> str:
     return "unknown"
 
 
-def run_case(kind, workload, system_names, rows, progress):
+def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0):
   problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
   ref = sy.reference(problems[0])
   flops = sy.useful_flops(problems[0])
+  timed = []  # (tag, name, prepared, bench, err, [seconds per round])
   for name in system_names:
     progress[0] += 1
     tag = f"[{progress[0]}/{progress[1]}] {kind} {workload.name:22s} {name:26s}"
@@ -94,19 +100,37 @@ def run_case(kind, workload, system_names, rows, progress):
       out = prepared.to_packed(prepared.fn(*prepared.arg_sets[0]))
       err = rel_err(out, ref)
       bench = bench_torch if prepared.timer == "torch" else bench_jax
-      sec = bench(prepared.fn, prepared.arg_sets)
+      time.sleep(rest)
+      timed.append((tag, name, prepared, bench, err, [bench(prepared.fn, prepared.arg_sets)]))
     except sy.Unavailable as e:
       print(f"{tag} n/a: {e}", flush=True)
       continue
     except Exception as e:  # pylint: disable=broad-except
       print(f"{tag} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
-    row = dict(kernel=kind, workload=workload.name, system=name,
-               backend=sy.BACKENDS.get(name, ""), ms=sec * 1e3,
-               tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
-    rows.append(row)
-    print(f"{tag} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.1e}"
-          f"{'' if row['correct'] else '  WRONG'}", flush=True)
+    if rounds == 1:  # reported now, nothing held: the next system's inputs take the memory
+      tag, name, _, _, err, secs = timed.pop()
+      report_row(rows, kind, workload, flops, tag, name, err, secs)
+  for _ in range(rounds - 1):
+    for tag, name, prepared, bench, err, secs in timed:
+      time.sleep(rest)
+      secs.append(bench(prepared.fn, prepared.arg_sets))
+  for tag, name, _, _, err, secs in timed:
+    report_row(rows, kind, workload, flops, tag, name, err, secs)
+
+
+def report_row(rows, kind, workload, flops, tag, name, err, secs):
+  """Appends the row of one system's timings (seconds per round) and prints it."""
+  sec = statistics.median(secs)
+  row = dict(kernel=kind, workload=workload.name, system=name,
+             backend=sy.BACKENDS.get(name, ""), ms=sec * 1e3,
+             tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
+  if len(secs) > 1:
+    row["ms_rounds"] = [s * 1e3 for s in secs]
+  rows.append(row)
+  print(f"{tag} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s  err {err:.1e}"
+        f"{'' if row['correct'] else '  WRONG'}"
+        f"{'' if len(secs) == 1 else ' (median of %d rounds)' % len(secs)}", flush=True)
 
 
 def markdown(rows) -> str:
@@ -174,19 +198,26 @@ def main(argv=None):
                       choices=list(wl.WORKLOADS))
   parser.add_argument("--systems", nargs="*", default=list(sy.SYSTEMS),
                       choices=list(sy.SYSTEMS))
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time each workload's systems this many times, in turns")
+  parser.add_argument("--rest", type=float, default=0.0,
+                      help="seconds the GPU rests before each timing")
   parser.add_argument("--out", default="bench-out", help="folder for the results")
   args = parser.parse_args(argv)
+  if args.rounds < 1 or args.rest < 0:
+    parser.error("--rounds must be >= 1 and --rest >= 0")
   os.makedirs(args.out, exist_ok=True)
   device = jax.devices()[0]
   meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), jax=jax.__version__,
               gpu=device.device_kind if device.platform == "gpu" else None,
-              backend=jax.default_backend(), matmul_tflops=matmul_tflops())
+              backend=jax.default_backend(), matmul_tflops=matmul_tflops(),
+              rounds=args.rounds, rest_s=args.rest)
   print(meta, flush=True)
   cases = [(k, wl.WORKLOADS[n]) for k in args.kernels for n in args.workloads
            if k in wl.WORKLOADS[n].kernels]
   rows, progress = [], [0, len(cases) * len(args.systems)]
   for kind, workload in cases:
-    run_case(kind, workload, args.systems, rows, progress)
+    run_case(kind, workload, args.systems, rows, progress, args.rounds, args.rest)
     save(args.out, meta, rows)  # after every workload: a run cut short keeps its rows
   print("\n" + save(args.out, meta, rows))
   chart(rows, os.path.join(args.out, "results.png"))

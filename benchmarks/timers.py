@@ -1,7 +1,8 @@
 """Does the timing method move a figure? Each system timed three ways, with the SM clock.
 
     python -m benchmarks.timers [--kernel mha] [--workloads equal4x4096 short64]
-        [--systems pallas_prefill_mosaic cudnn_packed torch_sdpa_cudnn] [--out DIR]
+        [--systems pallas_prefill_mosaic cudnn_packed torch_sdpa_cudnn] [--rest 2]
+        [--rounds 2] [--out DIR]
 
 The harness times JAX systems back to back (``run.bench_jax``: 5 rounds of 20 calls,
 wall clock, one wait at the end of each round) and torch systems with
@@ -15,8 +16,12 @@ the power limit runs faster with rests in between. This times every system:
   host's dispatch and the launch gaps between one call's kernels add, once per four;
 - ``do_bench``: (torch systems) ``run.bench_torch``, as the harness times them;
 
-and samples ``nvidia-smi``'s SM clock and power draw every 50 ms over each, so that a
-difference comes with the clock it ran at. Writes DIR/timers.json, prints a table.
+and samples ``nvidia-smi``'s SM clock and power draw every 50 ms over each (its
+samples lag: read them as a hint). Each measurement starts after ``--rest`` seconds with
+the GPU idle, so that every system starts from the same power state (a GPU that has just
+run flat out runs the next ~100 ms at lower clocks than one that has rested), and the
+systems and methods take turns for ``--rounds`` rounds. Writes DIR/timers.json, prints
+a table.
 """
 
 from __future__ import annotations
@@ -86,13 +91,14 @@ def bench_stream_torch(fn, arg_sets, rounds=5, reps=20) -> float:
   return statistics.median(times)
 
 
-def bench_stream_x4(fn, arg_sets) -> float:
-  """Four calls (rotating over the input sets) in one jit, per call."""
+def stream_x4(fn, arg_sets):
+  """A timer of four calls (rotating over the input sets) in one jit, per call."""
   sets = [arg_sets[i % len(arg_sets)] for i in range(4)]
-  four = jax.jit(lambda *a: [fn(*a[i * len(sets[0]):(i + 1) * len(sets[0])])
-                             for i in range(4)])
+  n = len(sets[0])
+  four = jax.jit(lambda *a: [fn(*a[i * n:(i + 1) * n]) for i in range(4)])
   flat = [x for s in sets for x in s]
-  return run.bench_jax(four, [flat], rounds=5, reps=5) / 4
+  return lambda _fn, _arg_sets, rounds=5, reps=5: run.bench_jax(  # noqa: E731
+      four, [flat], rounds=rounds, reps=reps) / 4
 
 
 def main(argv=None):
@@ -103,6 +109,9 @@ def main(argv=None):
   parser.add_argument("--systems", nargs="*",
                       default=["pallas_prefill_mosaic", "cudnn_packed", "torch_sdpa_cudnn"],
                       choices=list(sy.SYSTEMS))
+  parser.add_argument("--rest", type=float, default=2.0,
+                      help="seconds the GPU rests before each measurement")
+  parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--out", default="bench-out")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
@@ -112,6 +121,7 @@ def main(argv=None):
     for name in args.workloads:
       problems = [sy.make_problem(args.kernel, wl.WORKLOADS[name], seed) for seed in range(3)]
       flops = sy.useful_flops(problems[0])
+      turns = []  # (system, method, prepared, bench), compiled and warm
       for system in args.systems:
         try:
           prepared = sy.SYSTEMS[system](problems)
@@ -121,21 +131,29 @@ def main(argv=None):
         if prepared.timer == "torch":
           methods = {"stream": bench_stream_torch, "do_bench": run.bench_torch}
         else:
-          methods = {"stream": run.bench_jax, "stream_x4": bench_stream_x4}
+          methods = {"stream": run.bench_jax,
+                     "stream_x4": stream_x4(prepared.fn, prepared.arg_sets)}
         for method, bench in methods.items():
-          bench(prepared.fn, prepared.arg_sets)  # warm: compiled, clocks settled
+          if method != "do_bench":  # compiled and warm (do_bench warms up itself)
+            bench(prepared.fn, prepared.arg_sets, rounds=1, reps=2)
+          turns.append((system, method, prepared, bench))
+      for r in range(args.rounds):
+        for system, method, prepared, bench in turns:
+          time.sleep(args.rest)
           t0 = time.time()
           sec = bench(prepared.fn, prepared.arg_sets)
           mhz, watts = clock.window(t0, time.time())
           row = dict(kernel=args.kernel, workload=name, system=system, method=method,
-                     ms=sec * 1e3, tflops=flops / sec / 1e12, sm_mhz=mhz, watts=watts)
+                     round=r, ms=sec * 1e3, tflops=flops / sec / 1e12, sm_mhz=mhz,
+                     watts=watts)
           rows.append(row)
           print(row, flush=True)
   finally:
     clock.close()
   run.report(os.path.join(args.out, "timers.json"), rows,
              [("workload", lambda r: r["workload"]), ("system", lambda r: r["system"]),
-              ("method", lambda r: r["method"]), ("ms", lambda r: f"{r['ms']:.3f}"),
+              ("method", lambda r: r["method"]), ("round", lambda r: str(r["round"])),
+              ("ms", lambda r: f"{r['ms']:.3f}"),
               ("TFLOP/s", lambda r: f"{r['tflops']:.1f}"),
               ("SM MHz", lambda r: f"{r['sm_mhz'] or float('nan'):.0f}"),
               ("W", lambda r: f"{r['watts'] or float('nan'):.0f}")])

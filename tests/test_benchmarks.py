@@ -90,6 +90,45 @@ def test_scaling_measures_a_head_sharded_call(monkeypatch):
   assert "heads" in row["out_sharding"]
 
 
+def test_harness_rounds_take_turns_after_a_rest(monkeypatch, tmp_path):
+  """``--rounds 3 --rest R``: every system timed three times in turns (A B A B A B), each
+  timing after a rest of R seconds, and a row's time the median of its rounds."""
+  events = []
+  times = iter([1.0, 5e-3, 1e-3, 4e-3, 2e-3, 3e-3, 9e-3])  # the matmul, A, B, A, B, A, B
+
+  def bench(*_, **__):
+    events.append(("bench", None))
+    return next(times)
+
+  monkeypatch.setattr(run, "bench_jax", bench)
+  monkeypatch.setattr(run.time, "sleep", lambda s: events.append(("rest", s)))
+  run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill",
+            "xla_padded", "--rounds", "3", "--rest", "0.25", "--out", str(tmp_path)])
+  assert [e[0] for e in events] == ["bench"] + ["rest", "bench"] * 6  # the matmul first
+  assert {e[1] for e in events if e[0] == "rest"} == {0.25}
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["meta"]["rounds"] == 3 and results["meta"]["rest_s"] == 0.25
+  got = {r["system"]: r for r in results["rows"]}
+  assert got["pallas_prefill"]["ms_rounds"] == pytest.approx([5, 4, 3])
+  assert got["pallas_prefill"]["ms"] == pytest.approx(4)
+  assert got["xla_padded"]["ms_rounds"] == pytest.approx([1, 2, 9])
+  assert got["xla_padded"]["ms"] == pytest.approx(2)
+  assert all(r["correct"] for r in got.values())
+
+
+def test_timers_runs_every_method_in_turns(tmp_path):
+  """benchmarks.timers on the CPU (no nvidia-smi: no clock readings): both JAX methods
+  for a JAX system, every round."""
+  from benchmarks import timers
+
+  timers.main(["--workloads", "tiny", "--systems", "xla_padded", "--rest", "0",
+               "--rounds", "2", "--out", str(tmp_path)])
+  rows = json.loads((tmp_path / "timers.json").read_text())["rows"]
+  assert [(r["method"], r["round"]) for r in rows] == [
+      ("stream", 0), ("stream_x4", 0), ("stream", 1), ("stream_x4", 1)]
+  assert all(r["ms"] > 0 and r["sm_mhz"] is None for r in rows)
+
+
 def test_commit_prefers_the_environment(monkeypatch):
   monkeypatch.setenv("PALLAS_PREFILL_COMMIT", "abc1234")
   assert run.commit() == "abc1234"
