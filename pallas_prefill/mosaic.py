@@ -487,7 +487,7 @@ def dynamic_head_major_order(item_tiles, n_live, *, num_heads, group, num_progra
   item-major ends within about one light unit of the average; K/V-head-major starts the
   last K/V head's heavy items only after the other heads' work, which costs a heavy
   unit's time at the end where the units of one K/V head are few against the programs
-  (MHA's chunked prefill: 26 % slower than the static deal in the tenth session).
+  (MHA's chunked prefill: 415 useful TFLOP/s against 497 item-major on the H200).
 
   item_tiles: [num_items] KV tiles of each item in table order (items past n_live do not
   run)."""
@@ -506,7 +506,8 @@ def claimed_order_end(cost, before, total, *, num_heads, group, num_programs):
   the item's last unit) / num_programs + the item's cost. ``cost``: each item's cost
   (0 past the live items), ``before``: the exclusive prefix sum of ``cost``, ``total``
   its sum (int32; the same arithmetic in XLA and in ``work_items``' kernel: each term
-  divided on its own, so that num_heads * total stays the largest product)."""
+  divided on its own, so that num_heads * total stays the largest product; one past 2^31
+  would pick the order wrongly, never the results)."""
   p = jnp.int32(num_programs)
   live = cost > 0
   # Item-major: the item's num_heads units follow the earlier items' units.

@@ -121,7 +121,7 @@ def test_mosaic_mla_one_output_buffer(case):
 
 @pytest.mark.parametrize("head_major", [0, 1])
 @pytest.mark.parametrize("case", [
-    # chunked prefill over a paged cache (the order picked per call is item-major here)
+    # chunked prefill over a paged cache
     dataclasses.replace(cases.mosaic_variant(_LARGE), lens=(128, 256, 128, 384),
                         kv_lens=(128, 1280, 2176, 640), page_size=64),
     dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lens=(300, 7, 1000, 64),
@@ -181,6 +181,13 @@ def test_mosaic_work_items_match_xla(case):
   against XLA's table and scalars, the cases tests/test_work_items.py interprets."""
   for seed in range(3):
     test_work_items.check_work_items(case, interpret=False, seed=seed)
+
+
+@pytest.mark.parametrize("case", test_work_items.DYNAMIC_CASES, ids=lambda c: c.name)
+def test_mosaic_work_items_dynamic_order_matches_xla(case):
+  """The same with dynamic scheduling's order (``mosaic.dynamic_head_major_order``)."""
+  for seed in range(3):
+    test_work_items.check_work_items(case, interpret=False, seed=seed, dynamic=True)
 
 
 def test_mosaic_two_calls_on_the_same_offsets_in_one_jit():
