@@ -494,22 +494,22 @@ def dynamic_head_major_order(item_tiles, n_live, *, num_heads, group, num_progra
   items = item_tiles.shape[0]
   cost = jnp.where(jnp.arange(items) < n_live, item_tiles + UNIT_COST_TILES, 0)
   cost = cost.astype(jnp.int32)
-  before = jnp.cumsum(cost) - cost
-  ends = claimed_order_end(cost, before, jnp.sum(cost), num_heads=num_heads, group=group,
-                           num_programs=num_programs)
+  ends = claimed_order_end(cost, jnp.cumsum(cost) - cost, num_heads=num_heads,
+                           group=group, num_programs=num_programs)
   return head_major_wins(*ends).astype(jnp.int32)
 
 
-def claimed_order_end(cost, before, total, *, num_heads, group, num_programs):
+def claimed_order_end(cost, before, *, num_heads, group, num_programs):
   """The estimated ends (in tiles: K/V-head-major, item-major) of units claimed in order
   by ``num_programs`` programs: the largest over the items of (the work claimed before
   the item's last unit) / num_programs + the item's cost. ``cost``: each item's cost
-  (0 past the live items), ``before``: the exclusive prefix sum of ``cost``, ``total``
-  its sum (int32; the same arithmetic in XLA and in ``work_items``' kernel: each term
-  divided on its own, so that num_heads * total stays the largest product; one past 2^31
-  would pick the order wrongly, never the results)."""
+  (0 past the live items), ``before``: the exclusive prefix sum of ``cost`` (its caller's
+  scan: XLA's or ``work_items``' kernel's). int32, the same arithmetic in both: each term
+  divided on its own, so that num_heads * (the total cost) stays the largest product; one
+  past 2^31 would pick the order wrongly, never the results."""
   p = jnp.int32(num_programs)
   live = cost > 0
+  total = jnp.sum(cost)
   # Item-major: the item's num_heads units follow the earlier items' units.
   by_item = lax.div(num_heads * before + (num_heads - 1) * cost, p) + cost
   # K/V-head-major: the last K/V head's units of the item follow all other heads' units
@@ -1024,19 +1024,17 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
                                       num_programs=programs, dynamic=DYNAMIC,
                                       interpret=interpret, **kw)
     lse_slot, kv_end = None, scalars[work_items.S_KV_TAIL]
-    if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:
-      scalars = scalars.at[_S_HEAD_MAJOR].set(DYNAMIC_HEAD_MAJOR)
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
                                                 **kw)
     order = dynamic_head_major_order if DYNAMIC else head_major_order
     head_major = order(table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
                        group=group, num_programs=programs)
-    if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:
-      head_major = jnp.int32(DYNAMIC_HEAD_MAJOR)
     scalars = jnp.stack([n_live, jnp.int32(-1) if page_tiles else _floor8(kv_end) // 8,
                          head_major]).astype(jnp.int32)
     scalars = jnp.pad(scalars, (0, SCALAR_LANES - scalars.shape[0]))  # _S_NEXT: 0
+  if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:  # the order forced (A/B runs)
+    scalars = scalars.at[_S_HEAD_MAJOR].set(DYNAMIC_HEAD_MAJOR)
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)

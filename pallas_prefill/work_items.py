@@ -182,8 +182,8 @@ def _dynamic_order(ops, sorted_cols, scan_buf, i, n_live, *, num_heads, group,
   tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
   cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
   before = ops.scan(cost, scan_buf, jnp.add, 0) - cost
-  ends = mosaic.claimed_order_end(cost, before, jnp.sum(cost), num_heads=num_heads,
-                                  group=group, num_programs=num_programs)
+  ends = mosaic.claimed_order_end(cost, before, num_heads=num_heads, group=group,
+                                  num_programs=num_programs)
   return jnp.where(mosaic.head_major_wins(*ends), 1, 0)
 
 

@@ -466,8 +466,7 @@ def test_dynamic_order_on_the_harness_workloads(kind, name, head_major):
   cost = np.where(np.arange(tiles.shape[0]) < n, np.asarray(tiles) + mosaic.UNIT_COST_TILES,
                   0)
   ends = mosaic.claimed_order_end(jnp.asarray(cost), jnp.asarray(np.cumsum(cost) - cost),
-                                  int(cost.sum()), num_heads=heads, group=group,
-                                  num_programs=132)
+                                  num_heads=heads, group=group, num_programs=132)
   for order, end in zip((1, 0), ends):
     _, item = mosaic.unit_head_item(jnp.arange(n * heads), num_heads=heads, group=group,
                                     n_live=jnp.int32(n), head_major=jnp.int32(order))
@@ -718,6 +717,19 @@ def test_the_scalars_start_the_claim_count_at_zero():
     got.append(scalars[[mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR]])
   np.testing.assert_array_equal(*got)
   assert got[0][0] >= 2  # the two non-empty sequences' items at least
+
+
+@pytest.mark.parametrize("head_major", [0, 1])
+def test_a_forced_dynamic_order_reaches_the_scalars(monkeypatch, head_major):
+  """``DYNAMIC_HEAD_MAJOR`` (A/B runs) sets the order lane from both builders of the
+  scalars (XLA's, with the LSE; work_items' kernel, interpreted, without)."""
+  monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
+  case = cases.Case(lens=(100, 0, 37), head_dim=64, heads=4, kv_heads=2)
+  (q, k, v, off), _, _ = cases.make_inputs(case, cases.fresh_seed())
+  for lse in (True, False):
+    inputs, _, _ = mosaic.operands([q], [k], v, off, None, None, mask=case.mask,
+                                   return_lse=lse, config=pp.MosaicConfig(), interpret=True)
+    assert int(inputs[1][mosaic._S_HEAD_MAJOR]) == head_major
 
 
 def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
