@@ -20,8 +20,6 @@ import os
 import pathlib
 import sys
 
-import jax
-
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
 
@@ -51,19 +49,12 @@ def main(argv=None):
   prepared = sy.SYSTEMS[args.system]([sy.make_problem(args.kernel, wl.WORKLOADS[args.workload],
                                                       0)])
   call_args = prepared.arg_sets[0]
-  if prepared.timer == "torch":
-    import torch  # pylint: disable=g-import-not-at-top
-    sync = torch.cuda.synchronize
-  else:
-    sync = lambda: None  # noqa: E731
   for _ in range(3):
-    jax.block_until_ready(prepared.fn(*call_args))
-    sync()
+    prepared.wait(prepared.fn(*call_args))
   cudart = _cudart()
   if cudart is not None:
     cudart.cudaProfilerStart()
-  jax.block_until_ready(prepared.fn(*call_args))
-  sync()
+  prepared.wait(prepared.fn(*call_args))
   if cudart is not None:
     cudart.cudaProfilerStop()
   print(f"{'profiled' if cudart is not None else 'ran (no CUDA runtime: unprofiled)'} one "

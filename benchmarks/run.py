@@ -41,16 +41,17 @@ TOLERANCE = 2e-2
 DEFAULT_WORKLOADS = [n for n in wl.WORKLOADS if n not in wl.SMOKE + wl.EXTRA]
 
 
-def bench_jax(fn, arg_sets, rounds=5, reps=20) -> float:
-  """Median seconds per call; calls rotate over arg_sets."""
+def bench_jax(fn, arg_sets, rounds=5, reps=20, wait=jax.block_until_ready) -> float:
+  """Median seconds per call; calls rotate over arg_sets; ``wait(output)`` ends each
+  round (``Prepared.wait`` times a torch system the same way)."""
   for args in arg_sets:
-    jax.block_until_ready(fn(*args))
+    wait(fn(*args))
   times = []
   for _ in range(rounds):
     t0 = time.perf_counter()
     for i in range(reps):
       out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
+    wait(out)
     times.append((time.perf_counter() - t0) / reps)
   return statistics.median(times)
 

@@ -116,6 +116,13 @@ class Prepared:
   to_packed: Callable[[Any], Any]  # output -> packed [total_q, heads, d_v]
   timer: str = "jax"  # "jax" or "torch"
 
+  def wait(self, out=None):
+    """Waits for ``out`` (JAX: its arrays) or for the device (torch: its stream)."""
+    if self.timer == "torch":
+      _torch().cuda.synchronize()
+    else:
+      jax.block_until_ready(out)
+
 
 # --------------------------------------------------------------------------------------
 # pallas_prefill

@@ -27,6 +27,7 @@ a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -75,22 +76,6 @@ class ClockSampler:
       self.proc.terminate()
 
 
-def bench_stream_torch(fn, arg_sets, rounds=5, reps=20) -> float:
-  """``run.bench_jax``'s loop for a torch function: the wait is torch's."""
-  import torch  # pylint: disable=g-import-not-at-top
-  for args in arg_sets:
-    fn(*args)
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for i in range(reps):
-      fn(*arg_sets[i % len(arg_sets)])
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) / reps)
-  return statistics.median(times)
-
-
 def stream_x4(fn, arg_sets):
   """A timer of four calls (rotating over the input sets) in one jit, per call."""
   sets = [arg_sets[i % len(arg_sets)] for i in range(4)]
@@ -129,7 +114,8 @@ def main(argv=None):
           print(f"{name} {system}: n/a: {e}", flush=True)
           continue
         if prepared.timer == "torch":
-          methods = {"stream": bench_stream_torch, "do_bench": run.bench_torch}
+          methods = {"stream": functools.partial(run.bench_jax, wait=prepared.wait),
+                     "do_bench": run.bench_torch}
         else:
           methods = {"stream": run.bench_jax,
                      "stream_x4": stream_x4(prepared.fn, prepared.arg_sets)}

@@ -4,10 +4,11 @@ themselves unavailable here)."""
 
 import json
 import os
+import types
 
 import pytest
 
-from benchmarks import run, workloads as wl
+from benchmarks import run, systems as sy, workloads as wl
 import pallas_prefill as pp
 from pallas_prefill import masks
 
@@ -127,6 +128,18 @@ def test_timers_runs_every_method_in_turns(tmp_path):
   assert [(r["method"], r["round"]) for r in rows] == [
       ("stream", 0), ("stream_x4", 0), ("stream", 1), ("stream_x4", 1)]
   assert all(r["ms"] > 0 and r["sm_mhz"] is None for r in rows)
+
+
+def test_torch_systems_are_waited_for_on_their_stream(monkeypatch):
+  """``Prepared.wait`` for a torch system synchronizes torch's device (JAX's
+  ``block_until_ready`` does not wait for it), and ``run.bench_jax`` waits that way at
+  the warm-up and at the end of every round when given it."""
+  synced = []
+  fake = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: synced.append(1)))
+  monkeypatch.setattr(sy, "_torch", lambda: fake)
+  prepared = sy.Prepared(lambda x: x, [(1,), (2,)], lambda out: out, timer="torch")
+  run.bench_jax(prepared.fn, prepared.arg_sets, rounds=3, reps=4, wait=prepared.wait)
+  assert len(synced) == 2 + 3  # one per input set's warm-up call, one per round
 
 
 def test_commit_prefers_the_environment(monkeypatch):
