@@ -13,9 +13,12 @@ last unit is finished and written out. The units are scheduled dynamically
 atomic add, ``_claim``) one unit ahead and passes it to the compute warpgroups through
 shared memory, so that programs balance whatever the units' real costs. The units come
 in K/V-head-major order (``unit_head_item``: the units running together share a K/V
-head's rows in L2, heaviest items first within it), or item-major where that order
-would leave the last K/V head's heavy units to the end (``dynamic_head_major_order``, per
-call: chunked prefill, few items over long cached prefixes). Behind the flag, the static deal
+head's rows in L2, heaviest items first within it), or item-major where claiming in
+that order would leave the last K/V head's heavy units to the end
+(``dynamic_head_major_order``, per call: chunked prefill, few items over long cached
+prefixes); there, where the static zigzag balances K/V-head-major, the producer takes the
+units it deals instead of claiming (``dynamic_schedule``: MLA's chunked prefill, whose
+item-major units miss L2). Behind the flag, the static deal
 (``program_unit``): item-major or, where that balances as well (``head_major_order``, per
 call), K/V-head-major.
 
@@ -80,7 +83,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
-from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import arith, memref, scf, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 
 from pallas_prefill import ragged  # its numeric constants (ragged imports this module)
@@ -107,8 +110,10 @@ MIN_NATIVE_PAGE = 64
 # (1: K/V-head-major, ``head_major_order``).
 _S_LIVE, _S_TAIL8, _S_HEAD_MAJOR = range(3)
 # With ``DYNAMIC``, the lane the programs claim units from (``_claim``): 0 before the
-# call, one more per claim. The operand has ``SCALAR_LANES`` lanes or more.
-_S_NEXT = 4
+# call, one more per claim; and the lane that says whether the programs take the units
+# the static zigzag deals them instead (``dynamic_schedule``). The operand has
+# ``SCALAR_LANES`` lanes or more (``work_items`` uses lane 3).
+_S_NEXT, _S_DEAL = 4, 5
 SCALAR_LANES = 8
 # ``head_major_order``: a unit costs its KV tiles plus about one tile of its own (the Q
 # load, the pipeline's fill and the stores), and the K/V-head-major order is taken when
@@ -124,12 +129,14 @@ TURN_BARRIER = 4
 # sizes and no LSE is asked for (``work_items``); False: always XLA's (``work_list``).
 BUILD_WORK_LIST = True
 # Dynamic scheduling: each program's producer claims its next unit from a global counter
-# (``_claim``), in the order ``dynamic_head_major_order`` picks, and passes it to the
+# (``_claim``), in the order ``dynamic_schedule`` picks, and passes it to the
 # compute warpgroups through shared memory; False: the static deal of ``program_unit``.
 DYNAMIC = True
-# With ``DYNAMIC``, the unit order: None picks it per call (``dynamic_head_major_order``);
-# 1 (K/V-head-major) or 0 (item-major) forces it, for A/B runs.
+# With ``DYNAMIC``, the unit order: None picks it per call (``dynamic_schedule``); 1
+# (K/V-head-major) or 0 (item-major) forces it, for A/B runs. DYNAMIC_DEAL likewise forces
+# whether the units are dealt (1) or claimed (0).
 DYNAMIC_HEAD_MAJOR = None
+DYNAMIC_DEAL = None
 # The softmax's scale folded into its exponent (``_exp2_fma``: one FFMA per score instead
 # of a multiplication and a subtraction), where the scale is positive.
 FOLD_SCALE = True
@@ -499,6 +506,25 @@ def dynamic_head_major_order(item_tiles, n_live, *, num_heads, group, num_progra
   return head_major_wins(*ends).astype(jnp.int32)
 
 
+def dynamic_schedule(item_tiles, n_live, *, num_heads, group, num_programs):
+  """With dynamic scheduling, the units' order and how the programs take them: (head
+  major, deal), int32 scalars (XLA; ``work_items`` computes the same in its kernel).
+
+  - Claimed K/V-head-major (1, 0) where claiming in that order ends in time
+    (``dynamic_head_major_order``).
+  - Else, where the static zigzag balances the K/V-head-major order
+    (``head_major_order``), dealt K/V-head-major (1, 1). The programs then take the units
+    ``_dealt_unit`` deals them, with no claim. On MLA's chunked prefill (a K/V head per
+    query head) this ran 493 useful TFLOP/s on the H200 against 455 claimed item-major
+    (which read K/V from DRAM at 71 % of its bandwidth, L2 hits 14 %; the static
+    kernel's deal had 68 %), and claimed K/V-head-major ran 450 (BUILD_NOTES.md).
+  - Else claimed item-major (0, 0): MHA's chunked prefill."""
+  kw = dict(num_heads=num_heads, group=group, num_programs=num_programs)
+  claimed = dynamic_head_major_order(item_tiles, n_live, **kw)
+  dealt = head_major_order(item_tiles, n_live, **kw)
+  return jnp.maximum(claimed, dealt), (1 - claimed) * dealt
+
+
 def claimed_order_end(cost, before, *, num_heads, group, num_programs):
   """The estimated ends (in tiles: K/V-head-major, item-major) of units claimed in order
   by ``num_programs`` programs: the largest over the items of (the work claimed before
@@ -580,21 +606,29 @@ def _exp2_fma(s, scale: float, neg_m):
   return fma_exp2(s, neg_m)
 
 
-def _claim(scalar_ref, unit_smem, slot):
-  """One thread of the warpgroup takes the next unit from the global counter (an atomic
-  add on ``scalar_ref[_S_NEXT]``) and writes it to ``unit_smem[slot]``; the warpgroup
-  then waits for it (so that all of its threads can read the slot)."""
+def _claim(scalar_ref, unit_smem, slot, dealt):
+  """One thread of the warpgroup writes the next unit to ``unit_smem[slot]``: ``dealt``
+  where it is not negative, else the one it takes from the global counter (an atomic add
+  on ``scalar_ref[_S_NEXT]``); the warpgroup then waits for it (so that all of its
+  threads can read the slot)."""
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT))
-  def claim(_, counter, units, s):
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                plgpu.Layout.WG_SPLAT))
+  def claim(_, counter, units, s, unit):
     index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+    unit = unit.registers[()]
     with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
-      old = memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1), counter,
-                              [arith.constant(index, _S_NEXT)])
-      memref.store(old, units, [arith.index_cast(index, s.registers[()])])
+      take = arith.cmpi(arith.CmpIPredicate.slt, unit, arith.constant(i32, 0))
+      branch = scf.IfOp(take, [i32], has_else=True)
+      with ir.InsertionPoint(branch.then_block):
+        scf.yield_([memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1),
+                                      counter, [arith.constant(index, _S_NEXT)])])
+      with ir.InsertionPoint(branch.else_block):
+        scf.yield_([unit])
+      memref.store(branch.result, units, [arith.index_cast(index, s.registers[()])])
     mgpu.utils.warpgroup_barrier()
 
-  claim(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32))
+  claim(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32), jnp.asarray(dealt, jnp.int32))
 
 
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
@@ -661,7 +695,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                               num_heads=num_heads, group=group, n_live=n_live,
                               head_major=scalar_ref[_S_HEAD_MAJOR])
     n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
-    # Dynamic: unit u (claimed) in the order ``dynamic_head_major_order`` picked.
+    # Dynamic: unit u (claimed, or dealt) in the order ``dynamic_schedule`` picked.
     claimed = functools.partial(unit_head_item, num_heads=num_heads, group=group,
                                 n_live=n_live, head_major=scalar_ref[_S_HEAD_MAJOR])
 
@@ -681,10 +715,12 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       return u
 
     def publish(k):
-      """(Dynamic, producer) claims this program's k-th unit and passes it on."""
+      """(Dynamic, producer) claims this program's k-th unit, or takes the one the static
+      zigzag deals it (``dynamic_schedule``), and passes it on."""
       s = lax.rem(k, 2)
       pl.when(k >= 2)(lambda: plgpu.barrier_wait(unit_used.at[s]))
-      _claim(scalar_ref, unit_smem, s)
+      dealt = _dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k)
+      _claim(scalar_ref, unit_smem, s, jnp.where(scalar_ref[_S_DEAL] != 0, dealt, -1))
       u = unit_smem[s]
       plgpu.barrier_arrive(unit_ready.at[s])
       return u
@@ -1027,14 +1063,18 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
                                                 **kw)
-    order = dynamic_head_major_order if DYNAMIC else head_major_order
-    head_major = order(table[:, _T_HI] - table[:, _T_LO], n_live, num_heads=num_heads,
-                       group=group, num_programs=programs)
-    scalars = jnp.stack([n_live, jnp.int32(-1) if page_tiles else _floor8(kv_end) // 8,
-                         head_major]).astype(jnp.int32)
-    scalars = jnp.pad(scalars, (0, SCALAR_LANES - scalars.shape[0]))  # _S_NEXT: 0
+    tiles = table[:, _T_HI] - table[:, _T_LO]
+    order = dict(num_heads=num_heads, group=group, num_programs=programs)
+    head_major, deal = (dynamic_schedule(tiles, n_live, **order) if DYNAMIC
+                        else (head_major_order(tiles, n_live, **order), 0))
+    scalars = jnp.zeros((SCALAR_LANES,), jnp.int32)  # _S_NEXT: 0
+    for lane, x in ((_S_LIVE, n_live), (_S_TAIL8, -1 if page_tiles else _floor8(kv_end) // 8),
+                    (_S_HEAD_MAJOR, head_major), (_S_DEAL, deal)):
+      scalars = scalars.at[lane].set(jnp.asarray(x, jnp.int32))
   if DYNAMIC and DYNAMIC_HEAD_MAJOR is not None:  # the order forced (A/B runs)
     scalars = scalars.at[_S_HEAD_MAJOR].set(DYNAMIC_HEAD_MAJOR)
+  if DYNAMIC and DYNAMIC_DEAL is not None:  # dealt or claimed forced (A/B runs)
+    scalars = scalars.at[_S_DEAL].set(DYNAMIC_DEAL)
   grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)

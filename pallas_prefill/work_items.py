@@ -146,9 +146,10 @@ class _Ops:
 
 
 def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, group,
-                num_programs):
+                num_programs, skip=0):
   """``mosaic.head_major_order`` of the sorted table's columns: each program's load, one
-  lane per program, a row of dealt units per trip (``sort_buf`` is overwritten)."""
+  lane per program, a row of dealt units per trip (``sort_buf`` is overwritten). Where
+  ``skip`` (an int32 scalar, 0 or 1) is 1, no trip runs and the result is 1."""
   tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
   cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
   ops.scatter(sort_buf, i, cost)
@@ -169,8 +170,8 @@ def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, gr
     return by_item + jnp.where(ok, item, 0), by_kv_head + jnp.where(ok, head, 0)
 
   zero = p * 0
-  by_item, by_kv_head = lax.fori_loop(0, lax.div(units + num_programs - 1, num_programs),
-                                      deal, (zero, zero))
+  trips = lax.div(units + num_programs - 1, num_programs) * (1 - skip)
+  by_item, by_kv_head = lax.fori_loop(0, trips, deal, (zero, zero))
   worst_item, worst_kv_head = jnp.max(by_item), jnp.max(by_kv_head)
   return jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
 
@@ -279,18 +280,21 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     for c, x in enumerate(sorted_cols):
       ops.scatter(table_ref, i * n_cols + c, x)
 
-    if dynamic:
-      head_major = _dynamic_order(ops, sorted_cols, scan_buf, i, n_live,
-                                  num_heads=num_heads, group=group,
-                                  num_programs=num_programs)
+    order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
+    if dynamic:  # ``mosaic.dynamic_schedule``: the deal's loop only where claims lose
+      claimed = _dynamic_order(ops, sorted_cols, scan_buf, i, n_live, **order)
+      dealt = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
+                          skip=claimed, **order)
+      head_major, deal = jnp.maximum(claimed, dealt), (1 - claimed) * dealt
     else:
       head_major = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
-                               num_heads=num_heads, group=group, num_programs=num_programs)
+                               **order)
+      deal = 0
     s = _iota(WARPGROUP)
     tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``mosaic.operands`` has it
     scalars = s * 0  # the other lanes: 0, mosaic._S_NEXT (the claim count) among them
-    lanes = (mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR, S_KV_TAIL)
-    for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail)):
+    lanes = (mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR, S_KV_TAIL, mosaic._S_DEAL)
+    for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail, deal)):
       scalars = jnp.where(s == lane, x, scalars)
     ops.scatter(scalar_ref, s, scalars)
 
@@ -318,8 +322,9 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
   that run, the last key's 8-row group, the unit order for ``num_programs`` programs
-  (``head_major_order``'s for the static deal, ``dynamic_head_major_order``'s with
-  ``dynamic``), and the end of the last sequence's keys; the rest zeros). Only where
+  (``head_major_order``'s for the static deal; with ``dynamic``, ``dynamic_schedule``'s,
+  whose second part goes to lane ``mosaic._S_DEAL``), and the end of the last sequence's
+  keys; the rest zeros). Only where
   ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = mosaic.num_work_items(total_q, batch, block_q)

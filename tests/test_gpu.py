@@ -119,6 +119,7 @@ def test_mosaic_mla_one_output_buffer(case):
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
+@pytest.mark.parametrize("deal", [0, 1])
 @pytest.mark.parametrize("head_major", [0, 1])
 @pytest.mark.parametrize("case", [
     # chunked prefill over a paged cache
@@ -127,11 +128,12 @@ def test_mosaic_mla_one_output_buffer(case):
     dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lens=(300, 7, 1000, 64),
                         config=pp.MosaicConfig(block_kv=64, num_stages=3)),
 ], ids=lambda c: c.name)
-def test_mosaic_dynamic_orders(monkeypatch, case, head_major):
-  """Both orders of dynamic scheduling's units (``mosaic.DYNAMIC_HEAD_MAJOR`` forced;
-  left alone, ``dynamic_head_major_order`` picks one per call), on 5 programs so that each
-  claims many units."""
+def test_mosaic_dynamic_orders(monkeypatch, case, head_major, deal):
+  """Both orders of dynamic scheduling's units, claimed or dealt
+  (``mosaic.DYNAMIC_HEAD_MAJOR`` and ``DYNAMIC_DEAL`` forced; left alone,
+  ``dynamic_schedule`` picks per call), on 5 programs so that each takes many units."""
   monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
+  monkeypatch.setattr(mosaic, "DYNAMIC_DEAL", deal)
   jax.clear_caches()  # the entry points' traces do not key on the flag
   config = dataclasses.replace(case.config or pp.MosaicConfig(), num_programs=5)
   case = dataclasses.replace(case, config=config)

@@ -442,16 +442,18 @@ def _claimed_in_order(costs, programs):
   return free.max()
 
 
-@pytest.mark.parametrize("kind,name,head_major", [
-    ("mha", "equal4x4096", 1), ("mha", "skew16_16k", 1), ("mha", "short64", 1),
-    ("mha", "sliding4x16384_w4096", 1), ("mha", "chunked8x512_page64", 0),
-    ("mla", "equal4x4096", 1), ("mla", "skew16_16k", 1), ("mla", "short64", 1),
-    ("mla", "chunked8x512_page64", 0), ("mha", "short64_prefix512_page64", 1)])
-def test_dynamic_order_on_the_harness_workloads(kind, name, head_major):
-  """The order each harness workload gets with dynamic scheduling on 132 programs:
+@pytest.mark.parametrize("kind,name,head_major,deal", [
+    ("mha", "equal4x4096", 1, 0), ("mha", "skew16_16k", 1, 0), ("mha", "short64", 1, 0),
+    ("mha", "sliding4x16384_w4096", 1, 0), ("mha", "chunked8x512_page64", 0, 0),
+    ("mla", "equal4x4096", 1, 0), ("mla", "skew16_16k", 1, 0), ("mla", "short64", 1, 0),
+    ("mla", "chunked8x512_page64", 0, 1), ("mha", "short64_prefix512_page64", 1, 0)])
+def test_dynamic_order_on_the_harness_workloads(kind, name, head_major, deal):
+  """The order each harness workload's units are claimed in on 132 programs:
   K/V-head-major, except chunked prefill, where the last K/V head's heavy units would
   start late. ``claimed_order_end``'s estimates bound the ends of the units claimed in
-  turn (simulated here, as tiles) from above, within its rounding."""
+  turn (simulated here, as tiles) from above, within its rounding. Where the static deal
+  balances K/V-head-major (MLA's chunked prefill), ``dynamic_schedule`` deals the units
+  in that order instead."""
   w = benchmark_workloads.WORKLOADS[name]
   heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
   off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
@@ -462,6 +464,9 @@ def test_dynamic_order_on_the_harness_workloads(kind, name, head_major):
   got = mosaic.dynamic_head_major_order(tiles, n_live, num_heads=heads, group=group,
                                         num_programs=132)
   assert int(got) == head_major
+  schedule = mosaic.dynamic_schedule(tiles, n_live, num_heads=heads, group=group,
+                                     num_programs=132)
+  assert tuple(int(x) for x in schedule) == (max(head_major, deal), deal)
   n = int(n_live)
   cost = np.where(np.arange(tiles.shape[0]) < n, np.asarray(tiles) + mosaic.UNIT_COST_TILES,
                   0)
@@ -721,15 +726,18 @@ def test_the_scalars_start_the_claim_count_at_zero():
 
 @pytest.mark.parametrize("head_major", [0, 1])
 def test_a_forced_dynamic_order_reaches_the_scalars(monkeypatch, head_major):
-  """``DYNAMIC_HEAD_MAJOR`` (A/B runs) sets the order lane from both builders of the
-  scalars (XLA's, with the LSE; work_items' kernel, interpreted, without)."""
+  """``DYNAMIC_HEAD_MAJOR`` and ``DYNAMIC_DEAL`` (A/B runs) set the order and deal lanes
+  from both builders of the scalars (XLA's, with the LSE; work_items' kernel,
+  interpreted, without)."""
   monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
+  monkeypatch.setattr(mosaic, "DYNAMIC_DEAL", 1 - head_major)
   case = cases.Case(lens=(100, 0, 37), head_dim=64, heads=4, kv_heads=2)
   (q, k, v, off), _, _ = cases.make_inputs(case, cases.fresh_seed())
   for lse in (True, False):
     inputs, _, _ = mosaic.operands([q], [k], v, off, None, None, mask=case.mask,
                                    return_lse=lse, config=pp.MosaicConfig(), interpret=True)
     assert int(inputs[1][mosaic._S_HEAD_MAJOR]) == head_major
+    assert int(inputs[1][mosaic._S_DEAL]) == 1 - head_major
 
 
 def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():

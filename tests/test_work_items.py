@@ -38,6 +38,7 @@ class WorkCase:
 
 _RNG = np.random.default_rng(7)
 _SHORT = tuple(int(x) for x in _RNG.integers(16, 512, 64))
+_CHUNKED_KV = tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120, 6144, 8192))
 WORK_CASES = [
     WorkCase((5, 100, 300, 0, 64)),
     WorkCase(_SHORT),
@@ -57,10 +58,12 @@ WORK_CASES = [
     WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, True), block_kv=64),
     WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, False), block_kv=64),
     WorkCase(tuple(int(x) for x in _RNG.integers(1, 40, 300)), heads=4, group=2),
-    # chunked prefill: few items over long cached prefixes, item-major with dynamic
-    # scheduling (``mosaic.dynamic_head_major_order``)
-    WorkCase((512,) * 8, kv_lens=tuple(c + 512 for c in (0, 1024, 2048, 3072, 4096, 5120,
-                                                            6144, 8192))),
+    # chunked prefill: few items over long cached prefixes; with dynamic scheduling
+    # (``mosaic.dynamic_schedule``) claimed item-major (MHA's 32 heads in groups of 4),
+    # and dealt K/V-head-major (MLA's 128 heads, a K/V head each)
+    WorkCase((512,) * 8, kv_lens=_CHUNKED_KV),
+    WorkCase((512,) * 8, kv_lens=_CHUNKED_KV, heads=128, group=1, block_kv=64,
+             extra_rows=0),
 ]
 
 
@@ -89,9 +92,10 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
             paged_cache=paged, page_tiles=page_tiles)
   table, _, kv_end, n_live = mosaic.work_list(off, kv_off, total_q, total_kv, **kw)
   programs = min(case.programs, case.heads * table.shape[0])
-  order = mosaic.dynamic_head_major_order if dynamic else mosaic.head_major_order
-  head_major = order(table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live,
-                     num_heads=case.heads, group=case.group, num_programs=programs)
+  tiles = table[:, mosaic._T_HI] - table[:, mosaic._T_LO]
+  order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
+  head_major, deal = (mosaic.dynamic_schedule(tiles, n_live, **order) if dynamic
+                      else (mosaic.head_major_order(tiles, n_live, **order), 0))
   bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
   assert work_items.fits(table.shape[0], len(case.lens), bound)
   got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
@@ -102,7 +106,9 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   np.testing.assert_array_equal(got[:table.shape[0]], table)
   tail8 = -1 if page_tiles else int(kv_end) // 8
   assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
-  assert not scalars[4:].any()  # mosaic._S_NEXT among them: the claims start at 0
+  assert scalars[mosaic._S_DEAL] == int(deal)
+  rest = np.delete(scalars[4:], mosaic._S_DEAL - 4)
+  assert not rest.any()  # mosaic._S_NEXT among them: the claims start at 0
 
 
 @pytest.mark.parametrize("case", WORK_CASES, ids=lambda c: c.name)
@@ -110,15 +116,33 @@ def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
 
 
-DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], WORK_CASES[-1]]
+DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], *WORK_CASES[-2:]]
 
 
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: c.name)
 def test_work_items_dynamic_order(case):
-  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel picks the order by
-  ``mosaic.dynamic_head_major_order`` instead of dealing the units out: the same table,
-  and XLA's choice in the scalars' unit-order lane (item-major on the chunked case)."""
+  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel picks the order and whether
+  the units are dealt by ``mosaic.dynamic_schedule``: the same table, and XLA's choice in
+  the scalars' lanes."""
   check_work_items(case, interpret=True, dynamic=True)
+
+
+def test_dynamic_cases_cover_every_schedule():
+  """DYNAMIC_CASES reach each of ``dynamic_schedule``'s three outcomes: claimed
+  K/V-head-major, claimed item-major and dealt K/V-head-major."""
+  got = set()
+  for case in DYNAMIC_CASES:
+    off = _offsets(case.lens)
+    kv_off = None if case.kv_lens is None else jnp.asarray(_offsets(case.kv_lens))
+    total_q = int(off[-1]) + case.extra_rows
+    total_kv = total_q if kv_off is None else int(kv_off[-1])
+    table, _, _, n_live = mosaic.work_list(jnp.asarray(off), kv_off, total_q, total_kv,
+                                           mask=case.mask, block_q=case.block_q,
+                                           block_kv=case.block_kv)
+    got.add(tuple(int(x) for x in mosaic.dynamic_schedule(
+        table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=case.heads,
+        group=case.group, num_programs=min(case.programs, case.heads * table.shape[0]))))
+  assert got == {(1, 0), (0, 0), (1, 1)}
 
 
 def test_work_items_check_can_fail(monkeypatch):
