@@ -2,13 +2,15 @@
 
     ncu --profile-from-start off --clock-control none [--section ...] \\
         python -m benchmarks.profile --kernel mha --workload equal4x4096 \\
-        [--system pallas_prefill_mosaic]
+        [--system pallas_prefill_mosaic] [--flag DYNAMIC=False ...]
 
 For Nsight Compute (or Nsight Systems with ``--capture-range=cudaProfilerApi``): the
 system is prepared as the harness prepares it (benchmarks/run.py, the first input set),
 called three times to compile and warm up, and then called once more with the profiler
 on, so that the report holds that call's kernels and nothing else. ``--clock-control
-none`` keeps the GPU's own clocks, as the harness runs under.
+none`` keeps the GPU's own clocks, as the harness runs under. ``--flag`` sets a module
+constant of ``pallas_prefill.mosaic`` first, as ``benchmarks.ab``'s arms do (the static
+deal: ``--flag DYNAMIC=False``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import os
 import pathlib
 import sys
 
+from benchmarks import ab
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
+from pallas_prefill import mosaic
 
 
 def _cudart():
@@ -45,7 +49,15 @@ def main(argv=None):
   parser.add_argument("--kernel", choices=["mha", "mla"], default="mha")
   parser.add_argument("--workload", default="equal4x4096", choices=sorted(wl.WORKLOADS))
   parser.add_argument("--system", default="pallas_prefill_mosaic", choices=sorted(sy.SYSTEMS))
+  parser.add_argument("--flag", action="append", default=[], metavar="NAME=VALUE",
+                      help="a pallas_prefill.mosaic constant to set first (repeatable)")
   args = parser.parse_args(argv)
+  try:
+    flags = ab.parse_flags(args.flag)
+  except (ValueError, SyntaxError) as e:
+    parser.error(str(e))
+  for name, value in flags.items():
+    setattr(mosaic, name, value)
   prepared = sy.SYSTEMS[args.system]([sy.make_problem(args.kernel, wl.WORKLOADS[args.workload],
                                                       0)])
   call_args = prepared.arg_sets[0]

@@ -182,9 +182,14 @@ def test_profile_runs_one_call(monkeypatch, capsys):
 
   monkeypatch.setitem(profile.sy.SYSTEMS, "pallas_prefill", counted)
   monkeypatch.setattr(profile, "_cudart", lambda: None)
-  profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill"])
+  monkeypatch.setattr(profile.mosaic, "DYNAMIC", True)  # restored after the test
+  profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill",
+                "--flag", "DYNAMIC=False"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
   assert "unprofiled) one call: mha tiny pallas_prefill" in capsys.readouterr().out
+  assert profile.mosaic.DYNAMIC is False
+  with pytest.raises(SystemExit):  # not a constant of pallas_prefill.mosaic
+    profile.main(["--flag", "NO_SUCH_FLAG=1"])
 
 
 def test_ab_runs_the_arms_in_turn_and_takes_medians(monkeypatch, tmp_path, capsys):
