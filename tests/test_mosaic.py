@@ -324,6 +324,23 @@ def test_programs_share_out_every_unit_once(n_live, heads, group, programs, head
     assert {w for _, w in first} == set(range(-(-len(first) // heads)))
 
 
+@pytest.mark.parametrize("n_units,programs", [(0, 5), (3, 5), (5, 5), (12, 5), (131, 132),
+                                              (4096, 132), (4097, 132), (20, 1)])
+def test_dealt_units_end_where_the_static_deal_does(n_units, programs):
+  """With ``dynamic_schedule``'s deal, a program's producer takes ``_dealt_unit``'s units
+  until the first that is n_units or more (the dynamic loop's end): each program then
+  runs exactly the static deal's ``num_local_units``, and together they run every unit
+  once."""
+  seen = []
+  for p in range(programs):
+    k = 0
+    while int(mosaic._dealt_unit(p, programs, k)) < n_units:
+      seen.append(int(mosaic._dealt_unit(p, programs, k)))
+      k += 1
+    assert k == int(mosaic.num_local_units(p, programs, n_units))
+  assert sorted(seen) == list(range(n_units))
+
+
 def turn_ops(wg, items, *, guard_empty=True):
   """The named-barrier operations warpgroup ``wg`` runs for items of the given tile counts
   (``_kernel``'s turns): (op, barrier) pairs, barrier 0 or 1 for TURN_BARRIER + 0 or 1.
