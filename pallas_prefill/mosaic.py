@@ -465,6 +465,13 @@ def program_loads(unit_costs, num_programs):
   return jnp.where(odd, costs[:, ::-1], costs).sum(axis=0)
 
 
+def item_costs(item_tiles, live):
+  """Each item's cost in tiles for the unit orders' estimates: its KV tiles plus
+  ``UNIT_COST_TILES``, 0 where ``live`` is False (the items past n_live do not run);
+  int32. XLA's estimates and ``work_items``' kernel (a lane per item) share it."""
+  return jnp.where(live, item_tiles + UNIT_COST_TILES, 0).astype(jnp.int32)
+
+
 def head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
   """Whether the units run K/V-head-major (``program_unit``): 1 when that order's busiest
   program, by the items' KV tiles, has at most ``HEAD_MAJOR_SLACK`` times the work of the
@@ -473,7 +480,7 @@ def head_major_order(item_tiles, n_live, *, num_heads, group, num_programs):
   item_tiles: [num_items] KV tiles of each item in table order (items past n_live do not
   run)."""
   items = item_tiles.shape[0]
-  cost = jnp.where(jnp.arange(items) < n_live, item_tiles + UNIT_COST_TILES, 0)
+  cost = item_costs(item_tiles, jnp.arange(items) < n_live)
   by_item = jnp.repeat(cost, num_heads)
   u = jnp.arange(num_heads * items, dtype=jnp.int32)
   rest = u % jnp.maximum(n_live * group, 1)
@@ -498,9 +505,7 @@ def dynamic_head_major_order(item_tiles, n_live, *, num_heads, group, num_progra
 
   item_tiles: [num_items] KV tiles of each item in table order (items past n_live do not
   run)."""
-  items = item_tiles.shape[0]
-  cost = jnp.where(jnp.arange(items) < n_live, item_tiles + UNIT_COST_TILES, 0)
-  cost = cost.astype(jnp.int32)
+  cost = item_costs(item_tiles, jnp.arange(item_tiles.shape[0]) < n_live)
   ends = claimed_order_end(cost, jnp.cumsum(cost) - cost, num_heads=num_heads,
                            group=group, num_programs=num_programs)
   return head_major_wins(*ends).astype(jnp.int32)

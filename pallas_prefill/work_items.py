@@ -145,13 +145,12 @@ class _Ops:
     return x
 
 
-def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, group,
+def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
                 num_programs, skip=0):
-  """``mosaic.head_major_order`` of the sorted table's columns: each program's load, one
-  lane per program, a row of dealt units per trip (``sort_buf`` is overwritten). Where
-  ``skip`` (an int32 scalar, 0 or 1) is 1, no trip runs and the result is 1."""
-  tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
-  cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
+  """``mosaic.head_major_order`` of the sorted items' costs (``mosaic.item_costs``, lane
+  i item i): each program's load, one lane per program, a row of dealt units per trip
+  (``sort_buf`` is overwritten). Where ``skip`` (an int32 scalar, 0 or 1) is 1, no trip
+  runs and the result is 1."""
   ops.scatter(sort_buf, i, cost)
   ops.sync()
   p = _iota(_round(num_programs))
@@ -176,12 +175,9 @@ def _unit_order(ops, sorted_cols, sort_buf, i, n_live, *, n_items, num_heads, gr
   return jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
 
 
-def _dynamic_order(ops, sorted_cols, scan_buf, i, n_live, *, num_heads, group,
-                   num_programs):
-  """``mosaic.dynamic_head_major_order`` of the sorted table's columns (one lane per
-  item; ``scan_buf`` is overwritten)."""
-  tiles = sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO]
-  cost = jnp.where(i < n_live, tiles + mosaic.UNIT_COST_TILES, 0)
+def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
+  """``mosaic.dynamic_head_major_order`` of the sorted items' costs (one lane per item;
+  ``scan_buf`` is overwritten)."""
   before = ops.scan(cost, scan_buf, jnp.add, 0) - cost
   ends = mosaic.claimed_order_end(cost, before, num_heads=num_heads, group=group,
                                   num_programs=num_programs)
@@ -281,14 +277,15 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       ops.scatter(table_ref, i * n_cols + c, x)
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
+    cost = mosaic.item_costs(sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO],
+                             i < n_live)
     if dynamic:  # ``mosaic.dynamic_schedule``: the deal's loop only where claims lose
-      claimed = _dynamic_order(ops, sorted_cols, scan_buf, i, n_live, **order)
-      dealt = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
-                          skip=claimed, **order)
+      claimed = _dynamic_order(ops, cost, scan_buf, **order)
+      dealt = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, skip=claimed,
+                          **order)
       head_major, deal = jnp.maximum(claimed, dealt), (1 - claimed) * dealt
     else:
-      head_major = _unit_order(ops, sorted_cols, sort_buf, i, n_live, n_items=n_items,
-                               **order)
+      head_major = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, **order)
       deal = 0
     s = _iota(WARPGROUP)
     tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``mosaic.operands`` has it
