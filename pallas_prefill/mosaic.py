@@ -695,12 +695,7 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     wg = lax.axis_index("wg")
     n_live = scalar_ref[_S_LIVE]
     n_units = n_live * num_heads
-    # Static: the units program_unit deals this program (its k-th: units(k)).
-    units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
-                              num_heads=num_heads, group=group, n_live=n_live,
-                              head_major=scalar_ref[_S_HEAD_MAJOR])
-    n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
-    # Dynamic: unit u (claimed, or dealt) in the order ``dynamic_schedule`` picked.
+    # Unit u (claimed, or dealt) in the order ``dynamic_schedule`` picked.
     claimed = functools.partial(unit_head_item, num_heads=num_heads, group=group,
                                 n_live=n_live, head_major=scalar_ref[_S_HEAD_MAJOR])
 
@@ -735,7 +730,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
       the K/V tiles earlier units streamed through the slots. first(hw) runs before the
       loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
       its hw) once per unit: with dynamic scheduling, that takes the next claim."""
-      if not dynamic:
+      if not dynamic:  # the units program_unit deals this program (its k-th: units(k))
+        units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
+                                  num_heads=num_heads, group=group, n_live=n_live,
+                                  head_major=scalar_ref[_S_HEAD_MAJOR])
+        n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
         pl.when(n_local > 0)(lambda: first(units(0)))
 
         def static_step(k, base):
