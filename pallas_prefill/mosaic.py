@@ -63,9 +63,10 @@ Supported: bfloat16 and float16 (the matrix instructions' input types), QK parts
 depths that are multiples of 64 up to 256 whose buffers fit shared memory, contiguous K/V
 (packed or with K/V offsets), every mask, sinks, LSE, GQA/MQA, MLA's two-part logits.
 Paged caches with pages of ``MIN_NATIVE_PAGE`` rows or more are read page by page: KV tile
-i of a sequence is its positions [i * block_kv, (i + 1) * block_kv) (block_kv cut to the
-page size), which lie in one page; the producer reads the page id from the block table
-and TMAs the tile from it; each sequence's last V tile comes from ``v_tail`` (then one
+i of a sequence is its positions [i * block_kv, (i + 1) * block_kv), which lie in one page
+or span ``tile_pages`` whole pages; the producer reads the page ids from the block table
+and TMAs the tile from them, a copy per page; each sequence's last V tile comes from
+``v_tail`` (then one
 tile per sequence, rows past its keys zeroed: stale cache rows may be NaN). Smaller
 pages are gathered into contiguous K/V first (``gathered_pages``).
 ``unsupported_reason`` says why anything else is not; ``backend="auto"`` then runs Triton.
@@ -105,6 +106,10 @@ _NO_SHIFT = 2**27
 # Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;
 # smaller pages are gathered into contiguous K/V first (``gathered_pages``).
 MIN_NATIVE_PAGE = 64
+# Native pages smaller than block_kv: True reads a KV tile from block_kv // page_size
+# consecutive pages of the sequence (a TMA copy per page and chunk, ``tile_pages``);
+# False cuts block_kv to the page.
+TILE_SPANS_PAGES = True
 # The kernel's scalar operand: the items to run (those that store rows), the 8-row group
 # of the batch's last key (the one that comes from ``v_tail``) and the order of the units
 # (1: K/V-head-major, ``head_major_order``).
@@ -211,6 +216,21 @@ def column_chunks(parts):
   """The (part, first column) of each 64-column chunk of the logit parts: Q and K live in
   shared memory as one buffer per chunk, which TMA fills from any row (``_kernel``)."""
   return [(part, col) for part in parts for col in range(0, part.width, CHUNK)]
+
+
+def tile_pages(block_kv: int, page_size: int) -> int:
+  """How many pages a native paged KV tile of block_kv rows reads: block_kv // page_size
+  where the tile is larger (``paged_config`` keeps it so only with ``TILE_SPANS_PAGES``),
+  else one (the tile lies inside a page: both are powers of two)."""
+  return max(1, block_kv // page_size)
+
+
+def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
+  """The config for native pages of page_size rows (``MIN_NATIVE_PAGE`` or more): its KV
+  tiles span pages (``TILE_SPANS_PAGES``), or are cut to one page."""
+  if TILE_SPANS_PAGES:
+    return config
+  return dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
 
 
 def _floor8(x):
@@ -654,6 +674,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   v_chunks = v_depth // CHUNK  # V's 64-column buffers, one accumulator each
   dtype = v_ref.dtype
   chunks = column_chunks(parts)
+  # A paged KV tile comes from `pages` consecutive pages, `piece` rows from each.
+  pages = 1 if page_size is None else tile_pages(block_kv, page_size)
+  piece = block_kv // pages
 
   tiling = plgpu.TilingTransform((8, 64))
   swizzle = plgpu.SwizzleTransform(128)
@@ -675,9 +698,9 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
-      plgpu.Barrier(num_arrivals=len(chunks), num_barriers=num_stages),  # K loaded
-      # V loaded: two copies per chunk (``_load_rows``), one per chunk from pages
-      plgpu.Barrier(num_arrivals=(1 if page_size else 2) * v_chunks,
+      plgpu.Barrier(num_arrivals=pages * len(chunks), num_barriers=num_stages),  # K loaded
+      # V loaded: two copies per chunk (``_load_rows``), one per chunk and page from pages
+      plgpu.Barrier(num_arrivals=(pages if page_size else 2) * v_chunks,
                     num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
@@ -966,19 +989,27 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
             plgpu.barrier_wait(k_used.at[slot])
 
           if page_size is not None:
-            # Tile i is positions [start, start + block_kv) of the sequence, inside one
-            # page (block_kv divides page_size); the table's page ids are in range.
-            page = table_ref[seq, lax.div(start, jnp.int32(page_size))]
-            start = lax.rem(start, jnp.int32(page_size))
-            at = lambda x, *idx: x.at[page, *idx]  # noqa: E731
+            # Tile i is positions [start, start + block_kv) of the sequence: `pages`
+            # pieces of `piece` rows, each inside one page (``tile_pages``). The table's
+            # page ids are in range; a piece past the table's last column (only in the
+            # sequence's last tile, past its keys) reads that column's page.
+            def piece_at(j):
+              pos = start + j * piece
+              col = jnp.minimum(lax.div(pos, jnp.int32(page_size)), table_ref.shape[1] - 1)
+              return table_ref[seq, col], lax.rem(pos, jnp.int32(page_size))
+
+            spots = [piece_at(j) for j in range(pages)]
+            copies = lambda x, *idx: [  # noqa: E731
+                (x.at[page, pl.ds(row, piece), *idx], pl.ds(j * piece, piece))
+                for j, (page, row) in enumerate(spots)]
           else:
-            at = lambda x, *idx: x.at[idx]  # noqa: E731
+            copies = lambda x, *idx: [  # noqa: E731
+                (x.at[pl.ds(start, block_kv), *idx], pl.ds(0, block_kv))]
           for (part, col), (ks, _) in zip(chunks, k_smems):
             k_head = 0 if part.shared_k else kv_head
-            plgpu.copy_gmem_to_smem(
-                at(k_refs[part.k_index], pl.ds(start, block_kv), k_head,
-                   pl.ds(part.k_col + col, CHUNK)),
-                ks.at[slot], k_bars.at[slot])
+            for src, rows in copies(k_refs[part.k_index], k_head,
+                                    pl.ds(part.k_col + col, CHUNK)):
+              plgpu.copy_gmem_to_smem(src, ks.at[slot].at[rows], k_bars.at[slot])
 
           @pl.when(reuse)
           def _():
@@ -992,13 +1023,15 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
               @pl.when(i == last_tile)
               def _(cols=cols, vs=vs):
-                plgpu.copy_gmem_to_smem(v_tail_ref.at[seq, :, kv_head, cols], vs.at[slot],
-                                        v_bars.at[slot])
+                for j in range(pages):
+                  rows = pl.ds(j * piece, piece)
+                  plgpu.copy_gmem_to_smem(v_tail_ref.at[seq, rows, kv_head, cols],
+                                          vs.at[slot].at[rows], v_bars.at[slot])
 
               @pl.when(i != last_tile)
               def _(cols=cols, vs=vs):
-                plgpu.copy_gmem_to_smem(at(v_ref, pl.ds(start, block_kv), kv_head, cols),
-                                        vs.at[slot], v_bars.at[slot])
+                for src, rows in copies(v_ref, kv_head, cols):
+                  plgpu.copy_gmem_to_smem(src, vs.at[slot].at[rows], v_bars.at[slot])
             return
 
           # V in two copies per 64 columns: when a tile's last 8 rows are the last key's
@@ -1130,7 +1163,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
     paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
     if v.shape[1] >= MIN_NATIVE_PAGE:
       page_size = v.shape[1]
-      config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+      config = paged_config(config, page_size)
     else:
       gathered, _ = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
                                    total_q)

@@ -46,7 +46,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
     paged_cache = (cache.cache_lengths, cache.block_table.shape[1] * page_size)
     if page_size >= mosaic.MIN_NATIVE_PAGE:
       native = (np.clip(np.asarray(cache.block_table), 0, num_pages - 1), page_size)
-      config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+      config = mosaic.paged_config(config, page_size)
       args = (args[0], *[x.pages for x in args[1:-1]], args[-1])
     else:
       gathered, _ = mosaic.gathered_pages(
@@ -119,11 +119,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
         start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
         if native is not None:
           # Positions [start, start + bkv) of the sequence, inside one page.
+          # (pieces of them from consecutive pages where the tile is larger than a page)
           block_table, page_size = native
-          page = block_table[t[c("_SEQ")], start // page_size]
-          assert start % page_size + bkv <= page_size, "a tile spans two pages"
-          tile = lambda x, head, page=page, start=start: x[  # noqa: E731
-              page, start % page_size:start % page_size + bkv, head]
+          pages = mosaic.tile_pages(bkv, page_size)
+          piece = bkv // pages
+          spots = [(block_table[t[c("_SEQ")], min((start + j * piece) // page_size,
+                                                  block_table.shape[1] - 1)],
+                    (start + j * piece) % page_size) for j in range(pages)]
+          assert all(row + piece <= page_size for _, row in spots), "a piece spans pages"
+          tile = lambda x, head, spots=spots, piece=piece: np.concatenate(  # noqa: E731
+              [x[page, row:row + piece, head] for page, row in spots])
         else:
           tile = lambda x, head, start=start: rows_of(x[:, head], start, bkv)  # noqa: E731
         s = sum(qx @ tile(kx, kvh if kx.shape[-2] > 1 else 0).T
@@ -172,6 +177,11 @@ EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES
     cases.Case(lens=(7, 130, 3, 300, 9), kv_lens=(20, 0, 200, 64, 9), head_dim=64,
                lse=True, config=None),
     cases.Case(lens=(70, 1, 200), kv_lens=(300, 1, 264), head_dim=64, sink=True, lse=True,
+               mask=masks.SlidingWindowCausalMask(100), config=None),
+    # 64-row pages under 128-row KV tiles: each tile from two pages (``tile_pages``)
+    cases.Case(lens=(70, 1, 200, 9), kv_lens=(300, 1, 264, 129), head_dim=128, lse=True,
+               page_size=64, config=None),
+    cases.Case(lens=(70, 1, 200), kv_lens=(300, 1, 264), head_dim=128, page_size=64,
                mask=masks.SlidingWindowCausalMask(100), config=None),
 ]
 
@@ -876,6 +886,16 @@ def test_native_paged_operands():
   np.testing.assert_array_equal(live[:, mosaic._SEQ],
                                 np.searchsorted(q_off[1:], q_start, side="right"))
   assert (live[:, mosaic._KV_START] == 0).all()
+
+
+def test_paged_tiles_span_pages_or_are_cut_to_one(monkeypatch):
+  """With ``TILE_SPANS_PAGES`` a 128-row KV tile reads two 64-row pages; without, the
+  tile is cut to the page. A tile inside a larger page reads one."""
+  config = pp.MosaicConfig(block_kv=128)
+  assert mosaic.paged_config(config, 64).block_kv == 128
+  assert mosaic.tile_pages(128, 64) == 2 and mosaic.tile_pages(128, 256) == 1
+  monkeypatch.setattr(mosaic, "TILE_SPANS_PAGES", False)
+  assert mosaic.paged_config(config, 64).block_kv == 64
 
 
 def test_paged_mla_lowers_for_an_h200():
