@@ -54,12 +54,19 @@ class MosaicConfig:
       item) units, one after another); None: one per SM of the GPU. As many as there are
       units (any larger number) gives each program one unit and leaves the scheduling
       to the GPU, as the kernel did before it was persistent.
+    split_units: each compute warpgroup runs units of its own (a head and ``block_q``
+      query rows, its own K/V stream with ``num_stages`` slots and a producer warpgroup
+      of its own) instead of the two sharing one unit of ``2 * block_q`` rows: one's
+      stores and pipeline fill then overlap the other's matrix products, which pays on
+      short prompts. Twice the K/V buffers: with ``block_kv=64`` and two stages for depth
+      128. Needs dynamic scheduling (``mosaic.DYNAMIC``, the default).
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   num_programs: int | None = None
+  split_units: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -76,6 +83,8 @@ class MosaicConfig:
         or self.num_programs < 1):
       raise ValueError(f"MosaicConfig.num_programs must be None or an int >= 1, got "
                        f"{self.num_programs!r}")
+    if not isinstance(self.split_units, bool):
+      raise ValueError(f"MosaicConfig.split_units must be a bool, got {self.split_units!r}")
 
 
 LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry

@@ -22,6 +22,13 @@ item-major units miss L2). Behind the flag, the static deal
 (``program_unit``): item-major or, where that balances as well (``head_major_order``, per
 call), K/V-head-major.
 
+With ``MosaicConfig.split_units`` each compute warpgroup instead runs half-units of its
+own (a head and its ``block_q`` rows of an item, the half's own KV tile range), fed by a
+producer warpgroup of its own through K/V slots of its own, with no turns: one's stores
+and pipeline fill overlap the other's products, at twice the K/V buffers (64-row tiles in
+two stages at depth 128). On the H200 +3.7 % on MHA short64, -17 % on skew16_16k and
+-24 % on equal4x4096 (BUILD_NOTES.md), so it is no default.
+
 The ragged parts, which the dense kernel has none of:
 
 - A work list, computed before the call (``work_list`` in XLA, or the same table from one
@@ -145,6 +152,10 @@ DYNAMIC_DEAL = None
 # The softmax's scale folded into its exponent (``_exp2_fma``: one FFMA per score instead
 # of a multiplication and a subtraction), where the scale is positive.
 FOLD_SCALE = True
+# Each compute warpgroup on units of its own (``MosaicConfig.split_units``): None leaves it
+# to the config; True or False forces it (A/B runs; True also takes 64-row K/V tiles in two
+# stages, ``split_config``).
+SPLIT_UNITS = None
 H200_SMS = 132  # the persistent grid's size when no GPU is attached (abstract lowering)
 
 
@@ -155,6 +166,8 @@ def _smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicC
   q = COMPUTE_WGS * config.block_q * qk * item
   o = COMPUTE_WGS * config.block_q * CHUNK * out_buffers * jnp.dtype(output_dtype).itemsize
   kv = config.num_stages * config.block_kv * (qk + v_depth) * item
+  if config.split_units:  # a K/V stream per compute warpgroup
+    kv *= COMPUTE_WGS
   lse = COMPUTE_WGS * config.block_q * 4 if return_lse else 0
   # barriers and alignment: 2136 to 2648 bytes seen with Mosaic GPU's 2 KiB of reduction
   # scratch (MLA with 128-row K/V tiles in two stages, without and with the LSE); 1136
@@ -216,6 +229,20 @@ def column_chunks(parts):
   """The (part, first column) of each 64-column chunk of the logit parts: Q and K live in
   shared memory as one buffer per chunk, which TMA fills from any row (``_kernel``)."""
   return [(part, col) for part in parts for col in range(0, part.width, CHUNK)]
+
+
+def split_config(config: MosaicConfig) -> MosaicConfig:
+  """``config`` with ``SPLIT_UNITS`` applied: True takes units per compute warpgroup with
+  64-row K/V tiles in two stages (twice the K/V buffers of the shared units fit shared
+  memory so for depth 128), False the shared units; None keeps ``config``. Split units
+  need dynamic scheduling: without ``DYNAMIC`` they are off."""
+  if SPLIT_UNITS is not None:
+    config = dataclasses.replace(config, split_units=bool(SPLIT_UNITS))
+    if SPLIT_UNITS:
+      config = dataclasses.replace(config, block_kv=64, num_stages=2)
+  if config.split_units and not DYNAMIC:
+    config = dataclasses.replace(config, split_units=False)
+  return config
 
 
 def tile_pages(block_kv: int, page_size: int) -> int:
@@ -658,10 +685,15 @@ def _claim(scalar_ref, unit_smem, slot, dealt):
 
 def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_stages, group, num_heads, out_dtype, out_buffers,
-            dynamic, page_size=None):
+            dynamic, split=False, page_size=None):
   # page_size: K/V operands are pages [num_pages, page_size, heads, depth] read a tile at
   # a time from the page the block table names; ``v_tail_ref`` then holds each sequence's
   # last V tile with the rows past its keys zeroed, and the block table follows it.
+  # split: each compute warpgroup g runs half-units of its own, fed by producer
+  # warpgroup COMPUTE_WGS + g through slots of its own (a "lane": g), with no turns.
+  assert dynamic or not split
+  lanes = COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
+  consumers = 1 if split else COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   refs = list(refs)
   sink_ref = refs.pop(0) if has_sink else None
   q_refs, refs = refs[:n_q], refs[n_q:]
@@ -690,25 +722,26 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
 
   scratch = [
       [chunk_buffer((COMPUTE_WGS, block_q, CHUNK)) for _ in chunks],
-      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in chunks],
-      [chunk_buffer((num_stages, block_kv, CHUNK)) for _ in range(v_chunks)],
+      [chunk_buffer((lanes * num_stages, block_kv, CHUNK)) for _ in chunks],
+      [chunk_buffer((lanes * num_stages, block_kv, CHUNK)) for _ in range(v_chunks)],
       # The output: ``out_buffers`` buffers of 64 columns (one per accumulator, or fewer).
       [plgpu.SMEM((COMPUTE_WGS, block_q, CHUNK), out_dtype) for _ in range(out_buffers)],
       plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=len(chunks), num_barriers=COMPUTE_WGS),  # Q loaded
-      plgpu.Barrier(num_arrivals=pages * len(chunks), num_barriers=num_stages),  # K loaded
+      plgpu.Barrier(num_arrivals=pages * len(chunks),
+                    num_barriers=lanes * num_stages),  # K loaded
       # V loaded: two copies per chunk (``_load_rows``), one per chunk and page from pages
       plgpu.Barrier(num_arrivals=(pages if page_size else 2) * v_chunks,
-                    num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # K consumed
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),  # V consumed
+                    num_barriers=lanes * num_stages),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=lanes * num_stages),  # K consumed
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=lanes * num_stages),  # V consumed
   ]
-  if dynamic:  # claimed units: two slots, each published by the producer, read by both
-    scratch.append(plgpu.SMEM((2,), jnp.int32))
-    barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=2),
-                 plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2)]
+  if dynamic:  # claimed units: two slots a lane, each published by its producer
+    scratch.append(plgpu.SMEM((2 * lanes,), jnp.int32))
+    barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=2 * lanes),
+                 plgpu.Barrier(num_arrivals=consumers, num_barriers=2 * lanes)]
 
   def body(q_smems, k_smems, v_smems, o_smems, lse_smem2, *rest):
     if dynamic:
@@ -716,22 +749,36 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     else:
       q_bars, k_bars, v_bars, k_used, v_used = rest
     wg = lax.axis_index("wg")
+    lane = lax.rem(wg, jnp.int32(COMPUTE_WGS)) if split else 0
     n_live = scalar_ref[_S_LIVE]
-    n_units = n_live * num_heads
-    # Unit u (claimed, or dealt) in the order ``dynamic_schedule`` picked.
-    claimed = functools.partial(unit_head_item, num_heads=num_heads, group=group,
-                                n_live=n_live, head_major=scalar_ref[_S_HEAD_MAJOR])
+    # Split: unit v is half v % 2 (the rows of warpgroup v % 2's share) of shared unit
+    # v // 2, so that an item's two halves are claimed one after the other.
+    n_units = n_live * num_heads * (COMPUTE_WGS if split else 1)
+    # Unit u (claimed, or dealt) in the order ``dynamic_schedule`` picked: (head, item,
+    # half), the half 0 for shared units (each warpgroup takes its own rows of them).
+    by_order = functools.partial(unit_head_item, num_heads=num_heads, group=group,
+                                 n_live=n_live, head_major=scalar_ref[_S_HEAD_MAJOR])
 
-    def item_of(hw):
-      """Unit (head, item)'s head, item, its table row reader, and its KV tile range."""
-      h, w = hw
+    def claimed(u):
+      if split:
+        return (*by_order(lax.div(u, jnp.int32(COMPUTE_WGS))),
+                lax.rem(u, jnp.int32(COMPUTE_WGS)))
+      return (*by_order(u), 0)
+
+    def item_of(hwh):
+      """Unit (head, item, half)'s head, item, its table row reader, its KV tile range
+      (the item's, or with split units the half's), and whose rows it computes (the
+      half, or for shared units the warpgroup's own)."""
+      h, w, half = hwh
       meta = lambda col: meta_ref[w, col]  # noqa: E731
-      return h, w, meta, meta(_T_LO), meta(_T_HI)
+      if split:
+        return (h, w, meta, meta(_WG_COLS + 4 * half), meta(_WG_COLS + 4 * half + 3), half)
+      return h, w, meta, meta(_T_LO), meta(_T_HI), wg
 
     def take(k):
       """(Dynamic, compute warpgroups) this program's k-th claim: a unit, or n_units or
       more when none is left."""
-      s = lax.rem(k, 2)
+      s = lane * 2 + lax.rem(k, 2)
       plgpu.barrier_wait(unit_ready.at[s])
       u = unit_smem[s]
       plgpu.barrier_arrive(unit_used.at[s])
@@ -740,9 +787,11 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     def publish(k):
       """(Dynamic, producer) claims this program's k-th unit, or takes the one the static
       zigzag deals it (``dynamic_schedule``), and passes it on."""
-      s = lax.rem(k, 2)
+      s = lane * 2 + lax.rem(k, 2)
       pl.when(k >= 2)(lambda: plgpu.barrier_wait(unit_used.at[s]))
       dealt = _dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k)
+      if split:  # both lanes of a program take the halves of the units it is dealt
+        dealt = dealt * COMPUTE_WGS + lane
       _claim(scalar_ref, unit_smem, s, jnp.where(scalar_ref[_S_DEAL] != 0, dealt, -1))
       u = unit_smem[s]
       plgpu.barrier_arrive(unit_ready.at[s])
@@ -758,10 +807,10 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                                   num_heads=num_heads, group=group, n_live=n_live,
                                   head_major=scalar_ref[_S_HEAD_MAJOR])
         n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), n_units)
-        pl.when(n_local > 0)(lambda: first(units(0)))
+        pl.when(n_local > 0)(lambda: first((*units(0), 0)))
 
         def static_step(k, base):
-          return run(units(k), base, lambda: (k + 1 < n_local, units(k + 1)))
+          return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)))
 
         lax.fori_loop(0, n_local, static_step, jnp.int32(0))
         return
@@ -783,8 +832,8 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
                      (jnp.int32(0), jnp.int32(0), u0))
 
     def slot_of(i, base, item_lo):
-      # base: the tiles this program's earlier items streamed through the slots.
-      return lax.rem(base + i - item_lo, jnp.int32(num_stages))
+      # base: the tiles this program's (lane's) earlier items streamed through the slots.
+      return lane * num_stages + lax.rem(base + i - item_lo, jnp.int32(num_stages))
 
     # Tensor-core turns on two hardware named barriers. A warpgroup's P.V waits until the
     # other has issued its Q.K, so that the matrix products alternate between the two and
@@ -793,50 +842,56 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
     # (``start_turns``), and ends with the two meeting at warpgroup 1's last turn
     # (``end_turns``: warpgroup 0 must not signal twice before warpgroup 1 has taken the
     # first signal).
+    # Split units take no turns: the two warpgroups' units are unrelated.
     def qk_issued():
-      _named_barrier("arrive", TURN_BARRIER + 1 - wg)
+      if not split:
+        _named_barrier("arrive", TURN_BARRIER + 1 - wg)
 
     def pv_turn(wait_v):
       wait_v()
-      _named_barrier("sync", TURN_BARRIER + wg)
+      if not split:
+        _named_barrier("sync", TURN_BARRIER + wg)
 
     def start_turns():
-      pl.when(wg == 1)(lambda: _named_barrier("sync", TURN_BARRIER + wg))
+      if not split:
+        pl.when(wg == 1)(lambda: _named_barrier("sync", TURN_BARRIER + wg))
 
     def end_turns():
-      pl.when(wg == 0)(lambda: _named_barrier("sync", TURN_BARRIER + 1 - wg))
+      if not split:
+        pl.when(wg == 0)(lambda: _named_barrier("sync", TURN_BARRIER + 1 - wg))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      # Split: four warpgroups, 2 x 224 + 2 x 32 registers a thread (65536 an SM).
+      plgpu.set_max_registers(224 if split else 232, action="increase")
       q_fill = [fill.at[wg] for fill, _ in q_smems]
       q_smem = [tiled.at[wg] for _, tiled in q_smems]
       o_smem = [o.at[wg] for o in o_smems]
       lse_smem = lse_smem2.at[wg] if has_lse else None
 
-      def first_row(meta):
-        """This warpgroup's first Q row in an item (a multiple of 8)."""
-        return (meta(_ROW8) + wg * (block_q // 8)) * 8
+      def first_row(meta, half):
+        """The first Q row of an item's half (a multiple of 8)."""
+        return (meta(_ROW8) + half * (block_q // 8)) * 8
 
       def load_q(hw):
         """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free)."""
-        h, _, meta, _, _ = item_of(hw)
-        row = first_row(meta)
+        h, _, meta, _, _, half = item_of(hw)
+        row = first_row(meta, half)
         for (part, col), s in zip(chunks, q_fill):
           plgpu.copy_gmem_to_smem(
               q_refs[part.q_index].at[pl.ds(row, block_q), h, pl.ds(part.q_col + col, CHUNK)],
               s, q_bars.at[wg])
 
       def run_item(hw, base, fetch_next):
-        h, w, meta, item_lo, item_hi = item_of(hw)
+        h, w, meta, item_lo, item_hi, half = item_of(hw)
         kv_start, kv_len = meta(_KV_START), meta(_KV_LEN)
         kv_row8, kv_last8 = meta(_KV_ROW8), meta(_KV_LAST8)
         tile_row = functools.partial(tile_first_row, kv_row8, kv_last8, block_kv=block_kv)
         slot = lambda i: slot_of(i, base, item_lo)  # noqa: E731
         q_start, q_len = meta(_Q_START), meta(_Q_LEN)
-        col = lambda j: meta(_WG_COLS + 4 * wg + j)  # noqa: E731
+        col = lambda j: meta(_WG_COLS + 4 * half + j)  # noqa: E731
         t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
-        row = first_row(meta)
+        row = first_row(meta, half)
         first = jnp.clip(q_start - row, 0, block_q)  # rows before it: a neighbour's
         n_rows = jnp.clip(q_start + q_len - row, 0, block_q) - first
         row_pos = kv_len - q_len + row - q_start  # position of the row `row`
@@ -955,22 +1010,22 @@ def _kernel(meta_ref, scalar_ref, *refs, parts, n_q, n_k, has_sink, has_lse, mas
             size //= 2
         if has_lse:
           plgpu.copy_smem_to_gmem(
-              lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + wg) * block_q, block_q)])
+              lse_smem, lse_ref.at[h, pl.ds((w * COMPUTE_WGS + half) * block_q, block_q)])
         return base + item_hi - item_lo
 
       for_each_unit(run_item, load_q, take)
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg >= COMPUTE_WGS)
     def _produce():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(32 if split else 40, action="decrease")
       tail8 = scalar_ref[_S_TAIL8]
 
       def load_item(hw, base, fetch_next):
         # The next unit is claimed before this one's tiles are loaded: the compute
         # warpgroups then have it when they finish this one.
         fetch_next()
-        h, _, meta, item_lo, item_hi = item_of(hw)
+        h, _, meta, item_lo, item_hi, _ = item_of(hw)
         kv_head = lax.div(h, jnp.int32(group))
         tile_row = functools.partial(tile_first_row, meta(_KV_ROW8), meta(_KV_LAST8),
                                      block_kv=block_kv)
@@ -1158,6 +1213,10 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   into contiguous K/V first (``gathered_pages``)."""
   total_q, num_heads, _ = q_ops[0].shape
   paged_cache = block_table = page_size = None
+  split = split_config(config)
+  if smem_bytes(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
+                split) <= SMEM_BYTES:  # (forced split units may not fit: MLA)
+    config = split
   if paged is not None:
     block_table, cache_lengths = paged
     paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
@@ -1182,7 +1241,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
       out_dtype=jnp.dtype(output_dtype), page_size=page_size,
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
-      dynamic=DYNAMIC)
+      dynamic=DYNAMIC, split=config.split_units)
   if DYNAMIC:
     # The kernel counts its claims in the scalars' _S_NEXT lane: a fresh copy per call
     # (a Ref, which the kernel updates in place), whoever else reads the scalars.
@@ -1193,7 +1252,9 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
   results = plgpu.kernel(
       kernel, out_type=out_type, grid=(programs,),
       grid_names=("cta",),
-      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      # A producer warpgroup per K/V stream (``MosaicConfig.split_units``: one each).
+      num_threads=COMPUTE_WGS + (COMPUTE_WGS if config.split_units else 1),
+      thread_name="wg",
       # No cross-warp reductions (a row's scores lie in one warp): no scratch for them.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )(*inputs)

@@ -119,6 +119,29 @@ def test_mosaic_mla_one_output_buffer(case):
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
+SPLIT = pp.MosaicConfig(block_kv=64, num_stages=2, split_units=True)
+
+
+def _split(case):
+  return dataclasses.replace(case, config=SPLIT)
+
+
+@pytest.mark.parametrize("case", [
+    _split(c) for c in MOSAIC_CASES
+    if c.kind == "mha" and cases.mosaic_serves(c)
+    and max(c.head_dim, c.head_dim_v or c.head_dim) <= 128] + [
+    _split(dataclasses.replace(_LARGE, lens=(300, 0, 7, 1000, 64, 65, 1),
+                               kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True, sink=True)),
+    dataclasses.replace(_LARGE, lens=tuple(range(16, 512, 37)), lse=True,
+                        config=dataclasses.replace(SPLIT, num_programs=3)),
+], ids=lambda c: c.name)
+def test_mosaic_split_units(case):
+  """Each compute warpgroup on half-units of its own (``MosaicConfig.split_units``: its
+  own producer and K/V slots, no turns): MHA's shared cases up to depth 128 (deeper
+  buffers, and MLA's, do not fit twice), many short prompts on a few programs."""
+  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
+
+
 @pytest.mark.parametrize("deal", [0, 1])
 @pytest.mark.parametrize("head_major", [0, 1])
 @pytest.mark.parametrize("case", [
