@@ -26,7 +26,8 @@ With ``MosaicConfig.split_units`` each compute warpgroup instead runs half-units
 own (a head and its ``block_q`` rows of an item, the half's own KV tile range), fed by a
 producer warpgroup of its own through K/V slots of its own, with no turns: one's stores
 and pipeline fill overlap the other's products, at twice the K/V buffers (64-row tiles in
-two stages at depth 128). On the H200 +3.7 % on MHA short64, -17 % on skew16_16k and
+two stages at depth 128; MLA's 192 + 128 then fit with one output buffer and no LSE). On
+the H200 +3.7 % on MHA short64, -17 % on skew16_16k and
 -24 % on equal4x4096 (BUILD_NOTES.md), so it is no default.
 
 The ragged parts, which the dense kernel has none of:
@@ -220,8 +221,10 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
       return f"depth {w}: the mosaic_gpu backend needs depths that are multiples of 64 <= 256"
   need = smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config)
   if need > SMEM_BYTES:
+    split = (" (split units: a K/V stream per compute warpgroup, twice the buffers; "
+             "or shared units)" if config.split_units else "")
     return (f"{need} bytes of shared memory for {config} exceed {SMEM_BYTES}; "
-            "use fewer stages or smaller tiles")
+            f"use fewer stages or smaller tiles{split}")
   return None
 
 
@@ -1208,9 +1211,10 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
                           paged=None):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
   None); arguments and results as ``ragged.ragged_attention``'s. A paged cache
-  (``paged``: block table, cache lengths) is read page by page, in KV tiles of at most a
-  page, when its pages have ``MIN_NATIVE_PAGE`` rows or more; smaller pages are gathered
-  into contiguous K/V first (``gathered_pages``)."""
+  (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
+  or from ``tile_pages`` consecutive ones, when its pages have ``MIN_NATIVE_PAGE`` rows or
+  more; smaller pages are gathered into contiguous K/V first (``gathered_pages``).
+  ``SPLIT_UNITS`` applies here (``split_config``), where shared memory holds it."""
   total_q, num_heads, _ = q_ops[0].shape
   paged_cache = block_table = page_size = None
   split = split_config(config)

@@ -129,7 +129,9 @@ def _split(case):
 @pytest.mark.parametrize("case", [
     _split(c) for c in MOSAIC_CASES
     if c.kind == "mha" and cases.mosaic_serves(c)
-    and max(c.head_dim, c.head_dim_v or c.head_dim) <= 128] + [
+    and max(c.head_dim, c.head_dim_v or c.head_dim) <= 128] + list({
+        c.name: c for c in (_split(dataclasses.replace(c, lse=False)) for c in MOSAIC_CASES
+                            if c.kind == "mla" and cases.mosaic_serves(c))}.values()) + [
     _split(dataclasses.replace(_LARGE, lens=(300, 0, 7, 1000, 64, 65, 1),
                                kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True, sink=True)),
     dataclasses.replace(_LARGE, lens=tuple(range(16, 512, 37)), lse=True,
@@ -138,7 +140,8 @@ def _split(case):
 def test_mosaic_split_units(case):
   """Each compute warpgroup on half-units of its own (``MosaicConfig.split_units``: its
   own producer and K/V slots, no turns): MHA's shared cases up to depth 128 (deeper
-  buffers, and MLA's, do not fit twice), many short prompts on a few programs."""
+  buffers do not fit twice), MLA's without the LSE (one output buffer; with the LSE they
+  do not fit), many short prompts on a few programs."""
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 

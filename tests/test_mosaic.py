@@ -606,6 +606,48 @@ def test_one_output_buffer_where_shared_memory_holds_no_more():
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=wide).lower()
 
 
+SPLIT = pp.MosaicConfig(block_kv=64, num_stages=2, split_units=True)
+
+
+def test_split_units_shared_memory():
+  """Split units hold a K/V stream per compute warpgroup: twice the K/V buffers, which
+  fit at depth 128 with 64-row tiles in two stages (a float32 output then gets one
+  output buffer), and for MLA's 192 + 128 with one output buffer and no LSE; not at depth
+  256, and the refusal says why."""
+  mha, bf16 = [ragged.QkPart(0, 0, 0, 0, 128)], jnp.bfloat16
+  shared = dataclasses.replace(SPLIT, split_units=False)
+  kv = 2 * 64 * (128 + 128) * 2
+  assert (mosaic.smem_bytes(mha, 128, bf16, bf16, True, SPLIT)
+          == mosaic.smem_bytes(mha, 128, bf16, bf16, True, shared) + kv)
+  assert mosaic.unsupported_reason(mha, 128, bf16, bf16, True, SPLIT) is None
+  assert mosaic.output_buffers(mha, 128, bf16, jnp.float32, True, SPLIT) == 1
+  assert mosaic.unsupported_reason(mha, 128, bf16, jnp.float32, True, SPLIT) is None
+  deep = [ragged.QkPart(0, 0, 0, 0, 256)]
+  assert "split units" in mosaic.unsupported_reason(deep, 256, bf16, bf16, False, SPLIT)
+  mla = [ragged.QkPart(0, 0, 0, 0, 128), ragged.QkPart(0, 0, 0, 0, 64)]
+  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, SPLIT) == 1
+  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, False, SPLIT) is None
+  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, SPLIT) is not None
+  with pytest.raises(NotImplementedError, match="split units"):
+    Lowered(head_dim=256, head_dim_v=256, heads=8, kv_heads=1, config=SPLIT).lower()
+
+
+def test_split_config(monkeypatch):
+  """``SPLIT_UNITS`` forces split units (64-row K/V tiles in two stages) or shared ones;
+  None keeps the config's choice. Without dynamic scheduling the units are shared."""
+  shared = pp.MosaicConfig()
+  assert mosaic.split_config(shared) == shared and mosaic.split_config(SPLIT) == SPLIT
+  monkeypatch.setattr(mosaic, "SPLIT_UNITS", True)
+  assert mosaic.split_config(shared) == SPLIT
+  monkeypatch.setattr(mosaic, "SPLIT_UNITS", False)
+  assert mosaic.split_config(SPLIT) == dataclasses.replace(SPLIT, split_units=False)
+  monkeypatch.setattr(mosaic, "SPLIT_UNITS", None)
+  monkeypatch.setattr(mosaic, "DYNAMIC", False)
+  assert not mosaic.split_config(SPLIT).split_units
+  with pytest.raises(ValueError, match="split_units"):
+    pp.MosaicConfig(split_units=1)
+
+
 # ---------------------------------------------------------------------------------------
 # Lowering for an abstract H200: Mosaic GPU's own checks (TMA alignment and tiling,
 # shared memory, layouts) run here, without a GPU.
@@ -832,6 +874,55 @@ def test_paged_lowers_for_an_h200(backend, page_size, max_prompt_len, expect):
   assert f"custom_call @{expect}(" in text
   other = MOSAIC_CALL if expect != MOSAIC_CALL else "__gpu$xla.gpu.triton"
   assert f"custom_call @{other}(" not in text
+
+
+def _kernel_calls(monkeypatch):
+  """The keyword arguments of each ``mosaic._kernel`` trace from now on."""
+  calls, kernel = [], mosaic._kernel
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(mosaic, "_kernel", spy)
+  return calls
+
+
+@pytest.mark.parametrize("problem", [
+    Lowered(config=SPLIT),
+    Lowered(config=SPLIT, lse=True, sink=True, kv_heads=1,
+            mask=masks.SlidingWindowCausalMask(128)),
+    Lowered(config=SPLIT, total_q=40, total_kv=50),  # arrays shorter than a tile
+    Lowered(config=SPLIT, total_q=1001, total_kv=1503, mask=masks.NullMask()),
+    Lowered(config=SPLIT, dtype="float16", output_dtype="float32", lse=True),  # one buffer
+], ids=repr)
+def test_split_units_lower_for_an_h200(monkeypatch, problem):
+  """Split units (four warpgroups: two compute, two producers) pass Mosaic GPU's checks
+  for an H200. Their schedule is the shared units' per-warpgroup one (each half runs its
+  own ``_WG_COLS`` tile range, which the emulator above checks), so interpret mode adds
+  nothing it can run; the H200 runs them in tests/test_gpu.py."""
+  calls = _kernel_calls(monkeypatch)
+  assert f"custom_call @{MOSAIC_CALL}(" in problem.lower().as_text()
+  assert [(c["split"], c["block_kv"], c["num_stages"]) for c in calls] == [(True, 64, 2)]
+
+
+def test_split_units_forced_where_they_fit(monkeypatch):
+  """``SPLIT_UNITS=True`` splits MHA's units, paged ones too, and MLA's without the LSE;
+  with it MLA's buffers do not fit twice, and its units stay shared."""
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(mosaic, "SPLIT_UNITS", True)
+  calls = _kernel_calls(monkeypatch)
+
+  def fn(q, k_pages, v_pages, off, table, cache):
+    k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
+    return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend="mosaic_gpu",
+                          interpret=False, return_lse=True)
+
+  assert f"custom_call @{MOSAIC_CALL}(" in lower_for_h200(fn, *_paged_mha()).as_text()
+  Lowered(kind="mla", heads=16, kv_heads=16).lower()
+  Lowered(kind="mla", heads=16, kv_heads=16, lse=True).lower()
+  assert [(c["split"], c["page_size"], c["out_buffers"]) for c in calls] == [
+      (True, 64, 2), (True, None, 1), (False, None, 2)]
 
 
 def test_auto_keeps_paged_shapes_the_table_lacks_on_triton():
