@@ -27,8 +27,8 @@ own (a head and its ``block_q`` rows of an item, the half's own KV tile range), 
 producer warpgroup of its own through K/V slots of its own, with no turns: one's stores
 and pipeline fill overlap the other's products, at twice the K/V buffers (64-row tiles in
 two stages at depth 128; MLA's 192 + 128 then fit with one output buffer and no LSE). On
-the H200 +3.7 % on MHA short64, -17 % on skew16_16k and
--24 % on equal4x4096 (BUILD_NOTES.md), so it is no default.
+the H200: +3.7 % on MHA short64, -17 % on skew16_16k and -24 % on equal4x4096
+(BUILD_NOTES.md), so it is no default.
 
 The ragged parts, which the dense kernel has none of:
 
@@ -74,9 +74,8 @@ Paged caches with pages of ``MIN_NATIVE_PAGE`` rows or more are read page by pag
 i of a sequence is its positions [i * block_kv, (i + 1) * block_kv), which lie in one page
 or span ``tile_pages`` whole pages; the producer reads the page ids from the block table
 and TMAs the tile from them, a copy per page; each sequence's last V tile comes from
-``v_tail`` (then one
-tile per sequence, rows past its keys zeroed: stale cache rows may be NaN). Smaller
-pages are gathered into contiguous K/V first (``gathered_pages``).
+``v_tail`` (then one tile per sequence, rows past its keys zeroed: stale cache rows may be
+NaN). Smaller pages are gathered into contiguous K/V first (``gathered_pages``).
 ``unsupported_reason`` says why anything else is not; ``backend="auto"`` then runs Triton.
 """
 
