@@ -876,6 +876,15 @@ def test_paged_lowers_for_an_h200(backend, page_size, max_prompt_len, expect):
   assert f"custom_call @{other}(" not in text
 
 
+@pytest.fixture
+def fresh_traces():
+  """Entry points traced anew: their jit caches do not key on ``mosaic``'s module flags,
+  and a test that sets one must neither reuse an earlier trace nor leave its own."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
 def _kernel_calls(monkeypatch):
   """The keyword arguments of each ``mosaic._kernel`` trace from now on."""
   calls, kernel = [], mosaic._kernel
@@ -896,7 +905,7 @@ def _kernel_calls(monkeypatch):
     Lowered(config=SPLIT, total_q=1001, total_kv=1503, mask=masks.NullMask()),
     Lowered(config=SPLIT, dtype="float16", output_dtype="float32", lse=True),  # one buffer
 ], ids=repr)
-def test_split_units_lower_for_an_h200(monkeypatch, problem):
+def test_split_units_lower_for_an_h200(monkeypatch, fresh_traces, problem):
   """Split units (four warpgroups: two compute, two producers) pass Mosaic GPU's checks
   for an H200. Their schedule is the shared units' per-warpgroup one (each half runs its
   own ``_WG_COLS`` tile range, which the emulator above checks), so interpret mode adds
@@ -906,7 +915,7 @@ def test_split_units_lower_for_an_h200(monkeypatch, problem):
   assert [(c["split"], c["block_kv"], c["num_stages"]) for c in calls] == [(True, 64, 2)]
 
 
-def test_split_units_forced_where_they_fit(monkeypatch):
+def test_split_units_forced_where_they_fit(monkeypatch, fresh_traces):
   """``SPLIT_UNITS=True`` splits MHA's units, paged ones too, and MLA's without the LSE;
   with it MLA's buffers do not fit twice, and its units stay shared."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
