@@ -32,12 +32,18 @@ from benchmarks import run
 from pallas_prefill import mosaic
 
 # The child process: the flags (JSON) first, then the harness's arguments.
-_CHILD = ("import json, sys; from pallas_prefill import mosaic; "
-          "[setattr(mosaic, k, v) for k, v in json.loads(sys.argv[1]).items()]; "
-          "print('mosaic flags set:', {k: getattr(mosaic, k) for k in "
-          "json.loads(sys.argv[1])}, flush=True); "
-          "from benchmarks import run; sys.exit(run.main(sys.argv[2:]))")
+_CHILD = ("import json, sys; from benchmarks import ab, run; "
+          "ab.apply_flags(json.loads(sys.argv[1])); sys.exit(run.main(sys.argv[2:]))")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def apply_flags(flags) -> None:
+  """Sets ``pallas_prefill.mosaic``'s constants to ``flags`` ({"NAME": value}, as
+  ``parse_flags`` gives) and says so. Before the first trace: a jitted call's trace does
+  not key on them."""
+  for name, value in flags.items():
+    setattr(mosaic, name, value)
+  print("mosaic flags set:", {name: getattr(mosaic, name) for name in flags}, flush=True)
 
 
 def parse_flags(settings):

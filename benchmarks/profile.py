@@ -25,7 +25,6 @@ import sys
 from benchmarks import ab
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
-from pallas_prefill import mosaic
 
 
 def _cudart():
@@ -56,8 +55,7 @@ def main(argv=None):
     flags = ab.parse_flags(args.flag)
   except (ValueError, SyntaxError) as e:
     parser.error(str(e))
-  for name, value in flags.items():
-    setattr(mosaic, name, value)
+  ab.apply_flags(flags)
   prepared = sy.SYSTEMS[args.system]([sy.make_problem(args.kernel, wl.WORKLOADS[args.workload],
                                                       0)])
   call_args = prepared.arg_sets[0]

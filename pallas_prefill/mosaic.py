@@ -574,8 +574,15 @@ def dynamic_schedule(item_tiles, n_live, *, num_heads, group, num_programs):
     kernel's deal had 68 %), and claimed K/V-head-major ran 450 (BUILD_NOTES.md).
   - Else claimed item-major (0, 0): MHA's chunked prefill."""
   kw = dict(num_heads=num_heads, group=group, num_programs=num_programs)
-  claimed = dynamic_head_major_order(item_tiles, n_live, **kw)
-  dealt = head_major_order(item_tiles, n_live, **kw)
+  return schedule_of(dynamic_head_major_order(item_tiles, n_live, **kw),
+                     head_major_order(item_tiles, n_live, **kw))
+
+
+def schedule_of(claimed, dealt):
+  """``dynamic_schedule``'s (head major, deal) from its two verdicts, int32 scalars 0 or
+  1: whether claimed K/V-head-major ends in time (``dynamic_head_major_order``) and
+  whether the static zigzag balances K/V-head-major (``head_major_order``). XLA and
+  ``work_items``' kernel share it."""
   return jnp.maximum(claimed, dealt), (1 - claimed) * dealt
 
 

@@ -283,7 +283,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       claimed = _dynamic_order(ops, cost, scan_buf, **order)
       dealt = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, skip=claimed,
                           **order)
-      head_major, deal = jnp.maximum(claimed, dealt), (1 - claimed) * dealt
+      head_major, deal = mosaic.schedule_of(claimed, dealt)
     else:
       head_major = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, **order)
       deal = 0
@@ -321,8 +321,7 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
   that run, the last key's 8-row group, the unit order for ``num_programs`` programs
   (``head_major_order``'s for the static deal; with ``dynamic``, ``dynamic_schedule``'s,
   whose second part goes to lane ``mosaic._S_DEAL``), and the end of the last sequence's
-  keys; the rest zeros). Only where
-  ``fits``; arguments as ``work_list``'s."""
+  keys; the rest zeros). Only where ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = mosaic.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)

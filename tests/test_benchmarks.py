@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import run, systems as sy, workloads as wl
 import pallas_prefill as pp
-from pallas_prefill import masks
+from pallas_prefill import masks, mosaic
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,mask,pairs", [
@@ -182,12 +182,12 @@ def test_profile_runs_one_call(monkeypatch, capsys):
 
   monkeypatch.setitem(profile.sy.SYSTEMS, "pallas_prefill", counted)
   monkeypatch.setattr(profile, "_cudart", lambda: None)
-  monkeypatch.setattr(profile.mosaic, "DYNAMIC", True)  # restored after the test
+  monkeypatch.setattr(mosaic, "DYNAMIC", True)  # restored after the test
   profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill",
                 "--flag", "DYNAMIC=False"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
   assert "unprofiled) one call: mha tiny pallas_prefill" in capsys.readouterr().out
-  assert profile.mosaic.DYNAMIC is False
+  assert mosaic.DYNAMIC is False
   with pytest.raises(SystemExit):  # not a constant of pallas_prefill.mosaic
     profile.main(["--flag", "NO_SUCH_FLAG=1"])
 
