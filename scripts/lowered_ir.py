@@ -1,0 +1,231 @@
+"""The lowered kernels of a fixed set of calls, for an abstract NVIDIA H200, debug locations
+stripped: a refactoring that means to change no kernel shows it by identical output.
+
+    .venv/bin/python scripts/lowered_ir.py DIR            # writes DIR/*.txt.gz, DIR/hashes.json
+    .venv/bin/python scripts/lowered_ir.py --compare A B  # the cases whose lowering differs
+
+Each case is a public entry point call (``mha_prefill`` / ``mla_prefill`` with an explicit
+backend) lowered for CUDA as ``tests/test_lowering.py`` does, no GPU needed. The text is the
+StableHLO module with every kernel's embedded module (Triton IR, Mosaic GPU MLIR) parsed
+and printed without locations in place of its bytes (and of the kernel hash, which covers
+the locations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-direct-tensorflow-import
+from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+import pallas_prefill as pp
+from pallas_prefill import masks
+
+H200_MESH = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+S = jax.ShapeDtypeStruct
+I32 = jnp.int32
+
+
+def _mha(backend, *, total_q=1000, total_kv=None, heads=8, kv_heads=2, d=128, dv=128,
+         dtype=jnp.bfloat16, sink=False, paged=None, **kw):
+  """(fn, args) of an ``mha_prefill`` call; paged = (page_size, num_pages, max_pages)."""
+  kv_rows = total_kv or total_q
+  args = [S((total_q, heads, d), dtype)]
+  if paged:
+    page, pages, max_pages = paged
+    args += [S((pages, page, kv_heads, d), dtype), S((pages, page, kv_heads, dv), dtype),
+             S((6,), I32), S((5, max_pages), I32), S((5,), I32)]
+
+    def fn(q, kp, vp, off, table, cache):
+      return pp.mha_prefill(q, pp.PagedKV(kp, table, cache), pp.PagedKV(vp, table, cache),
+                            off, backend=backend, interpret=False, **kw)
+    return fn, args
+  args += [S((kv_rows, kv_heads, d), dtype), S((kv_rows, kv_heads, dv), dtype), S((6,), I32),
+           S((6,), I32) if total_kv else None, S((heads,), jnp.float32) if sink else None]
+
+  def fn(q, k, v, off, kv_off, sw):
+    return pp.mha_prefill(q, k, v, off, kv_input_row_offsets=kv_off, sink_weights=sw,
+                          backend=backend, interpret=False, **kw)
+  return fn, args
+
+
+def _mla(backend, *, total_q=1000, heads=16, d=128, rope=64, dv=128, paged=None, **kw):
+  bf = jnp.bfloat16
+  q = S((total_q, heads, d + rope), bf)
+  if paged:
+    page, pages, max_pages = paged
+    args = [q, S((pages, page, heads, d), bf), S((pages, page, 1, rope), bf),
+            S((pages, page, heads, dv), bf), S((6,), I32), S((5, max_pages), I32), S((5,), I32)]
+
+    def fn(q, kn, kr, v, off, table, cache):
+      p = lambda x: pp.PagedKV(x, table, cache)  # noqa: E731
+      return pp.mla_prefill(q, p(kn), p(kr), p(v), off, backend=backend, interpret=False,
+                            **kw)
+    return fn, args
+  args = [q, S((total_q, heads, d), bf), S((total_q, 1, rope), bf), S((total_q, heads, dv), bf),
+          S((6,), I32)]
+
+  def fn(q, kn, kr, v, off):
+    return pp.mla_prefill(q, kn, kr, v, off, backend=backend, interpret=False, **kw)
+  return fn, args
+
+
+MASKS = {"causal": masks.CausalMask(), "null": masks.NullMask(),
+         "sliding128": masks.SlidingWindowCausalMask(128), "chunked256": masks.ChunkedCausalMask(256)}
+
+
+def cases():
+  """name -> (fn, args): the calls whose lowering is compared."""
+  out = {}
+  for backend in ("triton", "mosaic_gpu"):
+    b = backend
+    for name, mask in MASKS.items():
+      out[f"{b}-mha-{name}"] = _mha(b, mask=mask, max_prompt_len=512)
+      out[f"{b}-mla-{name}"] = _mla(b, mask=mask, max_prompt_len=512)
+    out[f"{b}-mha-d64"] = _mha(b, d=64, dv=64, heads=16, kv_heads=16, max_prompt_len=512)
+    out[f"{b}-mha-d80v48"] = _mha(b, d=80, dv=48, max_prompt_len=512)
+    out[f"{b}-mha-d256-sink-lse"] = _mha(b, d=256, dv=256, kv_heads=1, sink=True,
+                                         return_lse=True, max_prompt_len=512)
+    out[f"{b}-mha-mqa-sink-lse"] = _mha(b, kv_heads=1, sink=True, return_lse=True,
+                                        max_prompt_len=512)
+    out[f"{b}-mha-kvoff-lse"] = _mha(b, total_q=1001, total_kv=1503, return_lse=True,
+                                     max_prompt_len=512)
+    out[f"{b}-mha-short-arrays"] = _mha(b, total_q=40, total_kv=50, max_prompt_len=64)
+    out[f"{b}-mha-f16-f32out-lse"] = _mha(b, dtype=jnp.float16, output_dtype=jnp.float32,
+                                          return_lse=True, max_prompt_len=512)
+    out[f"{b}-mha-long"] = _mha(b, max_prompt_len=4096, sink=True, return_lse=True)
+    out[f"{b}-mla-long"] = _mla(b, total_q=1001, max_prompt_len=4096)
+    out[f"{b}-mla-long-lse"] = _mla(b, return_lse=True, max_prompt_len=4096)
+    out[f"{b}-mla-f32out-lse-sliding"] = _mla(
+        b, total_q=1001, output_dtype=jnp.float32, return_lse=True,
+        mask=masks.SlidingWindowCausalMask(300), max_prompt_len=512)
+    out[f"{b}-mla-rope32"] = _mla(b, d=64, rope=32, dv=64, max_prompt_len=512) if (
+        b == "triton") else None
+    for page in (16, 64, 128):
+      out[f"{b}-mha-paged{page}"] = _mha(b, paged=(page, 40 * 64 // page, 12 * 64 // page),
+                                         max_prompt_len=512)
+    out[f"{b}-mha-paged64-lse-sliding"] = _mha(
+        b, paged=(64, 40, 12), return_lse=True, mask=masks.SlidingWindowCausalMask(200),
+        max_prompt_len=512)
+    out[f"{b}-mla-paged128"] = _mla(b, paged=(128, 40, 12), max_prompt_len=512)
+    out[f"{b}-mla-paged64-long"] = _mla(b, paged=(64, 80, 24), max_prompt_len=4096)
+  c = pp.MosaicConfig
+  m = "mosaic_gpu"
+  out["mosaic_gpu-mha-one-program"] = _mha(m, sink=True, return_lse=True,
+                                           config=c(num_programs=1), max_prompt_len=512)
+  out["mosaic_gpu-mha-unit-per-program"] = _mha(
+      m, config=c(block_kv=64, num_stages=3, num_programs=2**31 - 1), max_prompt_len=512)
+  out["mosaic_gpu-mla-one-buffer"] = _mla(m, total_q=1001, config=c(block_kv=128, num_stages=2),
+                                          max_prompt_len=512)
+  split = c(block_kv=64, num_stages=2, split_units=True)
+  out["mosaic_gpu-mha-split"] = _mha(m, config=split, max_prompt_len=512)
+  out["mosaic_gpu-mha-split-lse-sink"] = _mha(m, config=split, sink=True, return_lse=True,
+                                              max_prompt_len=512)
+  out["mosaic_gpu-mha-split-paged64"] = _mha(m, config=split, paged=(64, 40, 12),
+                                             max_prompt_len=512)
+  out["mosaic_gpu-mla-split"] = _mla(m, config=split, max_prompt_len=512)
+  out["triton-mha-config"] = _mha("triton", config=pp.MhaConfig(128, 64, 8, 2),
+                                  max_prompt_len=512)
+  return {k: v for k, v in out.items() if v is not None}
+
+
+_EMBEDDED = re.compile(r'(kernel_hash|module|ir) = "(?:[^"\\]|\\.)*"')
+
+
+def _embedded_modules(module) -> list[tuple[str, bytes]]:
+  """(kind, bytes) of every custom call's embedded kernel module, in program order."""
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          child = child.operation
+          if child.name == "stablehlo.custom_call" and "mhlo.backend_config" in child.attributes:
+            cfg = child.attributes["mhlo.backend_config"]
+            for key in ("module", "ir"):
+              try:
+                found.append((key, ir.StringAttr(cfg[key]).value_bytes))
+              except (KeyError, ValueError):
+                pass
+          walk(child)
+
+  walk(module.operation)
+  return found
+
+
+def canonical_text(fn, args) -> str:
+  with use_abstract_mesh(H200_MESH):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  module = lowered.compiler_ir("stablehlo")
+  parts = [_EMBEDDED.sub(r'\1 = "<embedded>"',
+                         module.operation.get_asm(enable_debug_info=False))]
+  for kind, data in _embedded_modules(module):
+    if kind == "ir":  # Triton's dialects live in their own context
+      from jax._src.pallas.triton import lowering as tl  # pylint: disable=g-import-not-at-top
+      context = tl._new_ir_context()  # pylint: disable=protected-access
+    else:
+      from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+      from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+      context = jax_mlir.make_ir_context()
+      mgpu.dialect.register_dialect(context)
+      context.allow_unregistered_dialects = True
+    with context:
+      parsed = ir.Module.parse(data)
+      if kind == "module":  # Mosaic GPU serializes to its stable dialect: undo that
+        parsed = mgpu_core._run_serde_pass(parsed, serialize=False)  # pylint: disable=protected-access
+      parts.append(parsed.operation.get_asm(enable_debug_info=False))
+  return "\n// ---- embedded kernel module ----\n".join(parts)
+
+
+def write(out_dir: str, only=None) -> dict:
+  os.makedirs(out_dir, exist_ok=True)
+  hashes = {}
+  for name, (fn, args) in cases().items():
+    if only and not any(o in name for o in only):
+      continue
+    text = canonical_text(fn, args)
+    hashes[name] = hashlib.sha256(text.encode()).hexdigest()
+    with gzip.open(os.path.join(out_dir, name + ".txt.gz"), "wt") as f:
+      f.write(text)
+    print(name, hashes[name][:16], flush=True)
+  with open(os.path.join(out_dir, "hashes.json"), "w") as f:
+    json.dump(hashes, f, indent=1, sort_keys=True)
+  return hashes
+
+
+def compare(a: str, b: str) -> int:
+  load = lambda d: json.load(open(os.path.join(d, "hashes.json")))  # noqa: E731
+  ha, hb = load(a), load(b)
+  differ = sorted(k for k in ha.keys() & hb.keys() if ha[k] != hb[k])
+  missing = sorted(ha.keys() ^ hb.keys())
+  print(f"{len(ha.keys() & hb.keys())} cases compared, {len(differ)} differ:", *differ)
+  if missing:
+    print("in only one of them:", *missing)
+  return 1 if differ or missing else 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("dirs", nargs="+")
+  parser.add_argument("--compare", action="store_true")
+  parser.add_argument("--only", nargs="*", help="substrings of the case names to lower")
+  a = parser.parse_args(argv)
+  if a.compare:
+    return compare(*a.dirs)
+  write(a.dirs[0], a.only)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
