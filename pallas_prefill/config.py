@@ -43,6 +43,45 @@ class MhaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicOptions:
+  """Program choices of the Mosaic GPU kernel that A/B runs compare; the defaults are the
+  measured winners (BUILD_NOTES.md). Static and hashable: part of ``MosaicConfig`` and so
+  of the jit key, so arms of an A/B run can share one process.
+
+  Attributes:
+    dynamic: each program claims its next (head, work item) unit from a global counter
+      (or takes the one the static zigzag deals it, where that balances better); False:
+      the static deal alone.
+    head_major: None picks the unit order per call; 1 forces K/V-head-major, 0
+      item-major (with ``dynamic``).
+    deal: None picks per call whether the units are dealt or claimed; 1 forces dealt, 0
+      claimed (with ``dynamic``).
+    build_work_list: the work list from one small Mosaic GPU kernel where it serves the
+      sizes and no LSE is asked for; False: always XLA's.
+    fold_scale: the softmax scale folded into its exponent (one FFMA per score) where the
+      scale is positive; False: a separate multiplication.
+    tile_spans_pages: native paged KV tiles larger than a page read consecutive pages (a
+      TMA copy from each); False cuts ``block_kv`` to the page.
+  """
+
+  dynamic: bool = True
+  head_major: int | None = None
+  deal: int | None = None
+  build_work_list: bool = True
+  fold_scale: bool = True
+  tile_spans_pages: bool = True
+
+  def __post_init__(self):
+    for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
+    for name in ("head_major", "deal"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or value not in (0, 1)):
+        raise ValueError(f"MosaicOptions.{name} must be None, 0 or 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiling of the Mosaic GPU (Hopper) kernels, ``backend="mosaic_gpu"``.
 
@@ -60,7 +99,8 @@ class MosaicConfig:
       stores and pipeline fill then overlap the other's matrix products, which pays on
       short prompts. Twice the K/V buffers: with ``block_kv=64`` and two stages for depth
       128. Opt-in (on the H200 +4 % on short prompts, slower on long ones); needs dynamic
-      scheduling (``mosaic.DYNAMIC``, the default), without which the units are shared.
+      scheduling (``options.dynamic``, the default), without which the units are shared.
+    options: ``MosaicOptions``, the program choices A/B runs compare.
   """
 
   block_q: int = 64
@@ -68,8 +108,11 @@ class MosaicConfig:
   num_stages: int = 2
   num_programs: int | None = None
   split_units: bool = False
+  options: MosaicOptions = MosaicOptions()
 
   def __post_init__(self):
+    if not isinstance(self.options, MosaicOptions):
+      raise ValueError(f"MosaicConfig.options must be a MosaicOptions, got {self.options!r}")
     if self.block_q != 64:
       raise ValueError(f"MosaicConfig.block_q must be 64 (one warpgroup's matrix "
                        f"instruction rows), got {self.block_q!r}")
