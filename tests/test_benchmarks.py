@@ -118,9 +118,9 @@ def test_harness_rounds_take_turns_after_a_rest(monkeypatch, tmp_path):
 
 
 def test_timers_runs_every_method_in_turns(tmp_path):
-  """benchmarks.timers on the CPU (no nvidia-smi: no clock readings): both JAX methods
-  for a JAX system, every round."""
-  from benchmarks import timers
+  """benchmarks.experiments.timers on the CPU (no nvidia-smi: no clock readings): both JAX
+  methods for a JAX system, every round."""
+  from benchmarks.experiments import timers
 
   timers.main(["--workloads", "tiny", "--systems", "xla_padded", "--rest", "0",
                "--rounds", "2", "--out", str(tmp_path)])
@@ -148,9 +148,10 @@ def test_commit_prefers_the_environment(monkeypatch):
 
 
 def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
-  """benchmarks.layers in interpret mode: L layers' calls under one jit give each layer's
-  single-call output, and the kernel counts come from the compiled entry computation."""
-  from benchmarks import layers
+  """benchmarks.experiments.layers in interpret mode: L layers' calls under one jit give each
+  layer's single-call output, and the kernel counts come from the compiled entry
+  computation."""
+  from benchmarks.experiments import layers
 
   monkeypatch.setattr(run, "bench_jax", _call_once)
   row = layers.measure("mha", wl.WORKLOADS["tiny"], 2, "triton")

@@ -1,6 +1,6 @@
 """Persistent against one-unit-per-program schedules of the Mosaic GPU kernel, per workload:
 
-    python -m benchmarks.programs [--kernels mha mla] [--workloads ...]
+    python -m benchmarks.experiments.programs [--kernels mha mla] [--workloads ...]
 
 Times MosaicConfig(num_programs=None) (one program per SM) and
 num_programs=ONE_UNIT_EACH (every (head, item) unit its own program) with each kernel's

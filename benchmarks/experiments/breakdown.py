@@ -1,15 +1,17 @@
 """Where a Mosaic GPU call's time goes: the whole call beside its XLA parts.
 
-    python -m benchmarks.breakdown [--kernels mha mla] [--workloads NAME ...] [--out DIR]
+    python -m benchmarks.experiments.breakdown [--kernels mha mla] [--workloads NAME ...]
+        [--out DIR]
 
 For each kernel and workload, on the first input set of the harness (benchmarks/run.py's
 timing): the whole ``backend="mosaic_gpu"`` call; XLA's work list alone
-(``mosaic.work_list``); all the work before the attention kernel (``mosaic.operands``: the
-work list and the unit order, from ``work_items``' kernel where it serves, and
-``v_tail``; no operand is copied unless it is shorter than a tile); and the Triton call
-for scale. The kernel's own share is the
-whole call less the XLA work (the kernel waits for it). Writes DIR/breakdown.json and
-prints a table.
+(``mosaic_gpu.work_list.work_list``); all the work before the attention kernel
+(``mosaic_gpu.operands.operands``: the work list and the unit order, from the
+``work_items`` kernel where it serves, and ``v_tail``; no operand is copied unless it is
+shorter than a tile); and the Triton call for scale. The kernel's own share is the whole
+call less the XLA work (the kernel waits for it). The XLA columns are bounded by host
+dispatch (BUILD_NOTES.md, facts): ncu's per-kernel durations are the device time. Writes
+DIR/breakdown.json and prints a table.
 """
 
 from __future__ import annotations
@@ -26,33 +28,36 @@ from benchmarks import run
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
 from pallas_prefill import config as config_lib
-from pallas_prefill import mosaic
 
 DEFAULT = ["equal4x4096", "skew16_16k", "short64", "sliding4x16384_w4096"]
 
 
 def xla_parts(problem: sy.Problem, config: pp.MosaicConfig):
   """The XLA work before the kernel, as the harness's call (no LSE) runs it: the work list
-  alone, and all of it (``mosaic.operands``: the work list, the unit order and
-  ``v_tail``); jitted functions of the problem's arrays."""
+  alone, and all of it (``operands.operands``: the work list, the unit order and
+  ``v_tail``); jitted functions of the problem's arrays. The backend's internals are
+  imported here, not at the top, so that the module imports without them (the tests)."""
+  from pallas_prefill.mosaic_gpu import operands, work_list  # pylint: disable=g-import-not-at-top
+
   w = problem.workload
   total_q, total_kv = problem.q.shape[0], problem.kv[-1].shape[0]
 
   @jax.jit
-  def work_list(q, kv, q_off, kv_off):
+  def work_list_alone(q, kv, q_off, kv_off):
     del q, kv
-    table, _, _, n_live = mosaic.work_list(q_off, kv_off, total_q, total_kv, mask=w.mask,
-                                           block_q=config.block_q, block_kv=config.block_kv)
+    table, _, _, n_live = work_list.work_list(
+        q_off, kv_off, total_q, total_kv, mask=w.mask, block_q=config.block_q,
+        block_kv=config.block_kv)
     return table, n_live
 
   @jax.jit
-  def operands(q, kv, q_off, kv_off):
-    inputs = mosaic.operands([q], list(kv[:-1]), kv[-1], q_off, kv_off, None, mask=w.mask,
-                             return_lse=False, config=config)[0]
+  def all_xla_work(q, kv, q_off, kv_off):
+    inputs = operands.operands([q], list(kv[:-1]), kv[-1], q_off, kv_off, None, mask=w.mask,
+                               return_lse=False, config=config)[0]
     # Not the operands passed through unchanged: a jit returning its argument copies it.
     return [x for x in inputs if all(x is not y for y in (q, *kv))]
 
-  return work_list, operands
+  return work_list_alone, all_xla_work
 
 
 def measure(kind, name):

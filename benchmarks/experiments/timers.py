@@ -1,6 +1,7 @@
 """Does the timing method move a figure? Each system timed three ways, with the SM clock.
 
-    python -m benchmarks.timers [--kernel mha] [--workloads equal4x4096 short64]
+    python -m benchmarks.experiments.timers [--kernel mha]
+        [--workloads equal4x4096 short64]
         [--systems pallas_prefill_mosaic cudnn_packed torch_sdpa_cudnn] [--rest 2]
         [--rounds 2] [--out DIR]
 

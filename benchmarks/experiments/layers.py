@@ -1,10 +1,10 @@
 """Does a model pay the per-call XLA work once per batch? L layers' calls under one jit.
 
-    python -m benchmarks.layers [--kernels mha mla] [--workloads NAME ...] [--layers 8]
-        [--backend mosaic_gpu] [--out DIR]
+    python -m benchmarks.experiments.layers [--kernels mha mla] [--workloads NAME ...]
+        [--layers 8] [--backend mosaic_gpu] [--out DIR]
 
 A model calls the kernel once per layer, every layer with the same offsets. The Mosaic
-GPU backend's work list (``mosaic.work_list``: the per-item table and the unit order,
+GPU backend's work list (``mosaic_gpu.work_list``: the per-item table and the unit order,
 about 50 us on MHA short64) depends only on the offsets, the mask and the shapes, so XLA
 could compute it once for all layers (common-subexpression elimination over the layers'
 calls). This times, per workload, one call in its own jit against L calls (L input sets,
