@@ -175,14 +175,35 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   return MosaicConfig(block_kv=128, num_stages=2)
 
 
-def prefers_mosaic(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
+def is_hopper() -> bool:
+  """Whether the device compiled for is a Hopper GPU (sm_90: H100, H200, H800, H20, GH200),
+  which the Mosaic GPU kernel targets: an abstract mesh's device kind (ahead-of-time
+  lowering), else the default device's compute capability."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None:
+    return abstract.platform == "gpu" and any(
+        name in abstract.device_kind for name in HOPPER_KINDS)
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  capability = getattr(device, "compute_capability", None)
+  if capability is not None:
+    return str(capability).split(".")[0] == "9"
+  return any(name in device.device_kind for name in HOPPER_KINDS)
+
+
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
                    paged: bool = False) -> bool:
-  """Whether ``backend="auto"`` picks Mosaic GPU: the tuned table's verdict for the device
-  (the last field of an entry: measured faster than Triton on the H200), and on a paged
-  cache any shape the table has for the device (Mosaic GPU measured 1.36x to 2.0x Triton
-  on every paged workload of the harness, short prompts included: BUILD_NOTES.md)."""
+  """Whether ``backend="auto"`` keeps the Triton kernel on a Hopper GPU for a call that
+  Mosaic GPU can serve: where the tuned table for the device measured Triton faster (an
+  entry whose last field is False). Never on a paged cache (Mosaic GPU measured 1.36x to
+  2.0x Triton on every paged workload of the harness, short prompts included:
+  BUILD_NOTES.md). A case the table lacks runs Mosaic GPU."""
   tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
-  return tuned is not None and (tuned[4] or paged)
+  return tuned is not None and not tuned[4] and not paged
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

@@ -9,14 +9,15 @@ import jax.numpy as jnp
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import partitioning
-from pallas_prefill import ragged
+from pallas_prefill import dispatch
+from pallas_prefill import logits
 from pallas_prefill import validation as val
 
 
 def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
                 mask=masks_lib.CausalMask(), scale=None, sink_weights=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="triton"):
+                backend="auto"):
   """Attention prefill over a ragged (packed) batch of prompts.
 
   Sequence b's queries are rows ``input_row_offsets[b]:input_row_offsets[b+1]`` of ``q``;
@@ -48,16 +49,19 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     return_lse: also return the float32 natural-log log-sum-exp of each row's logits, sink
       included, for merging chunks (rows that see no key and have no sink: -1e30).
     config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
-      tuned default for the head dims and device.
+      tuned default of the backend that runs, for the head dims and device.
     interpret: run the Pallas interpreter; None means exactly when the default backend is
       the CPU.
-    backend: "triton" (default): the Pallas Triton kernel, any NVIDIA GPU and interpret
-      mode. "mosaic_gpu": the Pallas Mosaic GPU kernel for Hopper (sm_90), bf16/f16,
-      depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
-      NotImplementedError says why a call it cannot serve is refused. "auto": Mosaic GPU
-      where the tuned table for the device measured it faster and it can serve the call,
-      Triton otherwise. Results agree to rounding; so do validation and the handling of
-      garbage offsets.
+    backend: "auto" (default): the Pallas Mosaic GPU kernel on a Hopper GPU (sm_90)
+      wherever it can serve the call, unless the tuned table for the device measured the
+      Triton kernel faster for the case; the Triton kernel on other GPUs, for what Mosaic
+      GPU refuses (float32 inputs; MHA at depth 256 with both a float32 output and the
+      LSE) and in interpret mode (the CPU). "triton": the Pallas Triton kernel, any NVIDIA
+      GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16, depths up to
+      256 (padded to a multiple of 64), packed, offset or paged K/V; NotImplementedError
+      says why a call it cannot serve is refused. A ``MhaConfig`` with "auto" picks
+      Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
+      and the handling of garbage offsets.
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
   zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output
@@ -100,13 +104,13 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
   return _mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
-      **ragged.static_options(
+      **dispatch.static_options(
           q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend))
 
 
-@functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
+@functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, **static):
   hp = partitioning
   return hp.head_parallel(
@@ -119,11 +123,11 @@ def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
 def _mha_impl(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
               max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
               backend):
-  qk_depth = ragged.padded_depth(q.shape[-1])
-  k, v, paged = ragged.unpage(k, v)
-  return ragged.ragged_attention(
-      [ragged.pad_depth(q, qk_depth)], [ragged.pad_depth(k, qk_depth)], v,
+  qk_depth = logits.padded_depth(q.shape[-1])
+  k, v, paged = logits.unpage(k, v)
+  return dispatch.ragged_attention(
+      [logits.pad_depth(q, qk_depth)], [logits.pad_depth(k, qk_depth)], v,
       input_row_offsets, kv_input_row_offsets, sink_weights, paged=paged,
-      parts=[ragged.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
+      parts=[logits.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret, backend=backend)

@@ -2,8 +2,8 @@
 
 MLA forms its logits from two products, ``q_nope . k_nope`` against per-head keys and
 ``q_rope . k_rope`` against a rotary key that one head (or each KV head) holds; everything
-else, softmax, masks, offsets, tiling, is the kernel in ``pallas_prefill.ragged`` that MHA
-uses.
+else, softmax, masks, offsets, tiling, is the kernel MHA uses, on either backend
+(``pallas_prefill.dispatch``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import jax
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import partitioning
-from pallas_prefill import ragged
+from pallas_prefill import dispatch
+from pallas_prefill import logits
 from pallas_prefill import validation as val
 
 
 def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                 kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="triton"):
+                backend="auto"):
   """Multi-head latent attention prefill over a ragged (packed) batch.
 
   logits = (q_nope . k_nope + q_rope . k_rope) * scale, where q_nope and q_rope are the
@@ -51,7 +52,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
       tuned default (DeepSeek-V3's 128 heads, 128 + 64, d_v 128 is the tuned case).
     interpret: None means interpret mode exactly when the default backend is the CPU.
-    backend: "triton", "mosaic_gpu" or "auto", as in ``mha_prefill``.
+    backend: "auto" (default: Mosaic GPU on Hopper where it serves the call, else Triton),
+      "triton" or "mosaic_gpu", as in ``mha_prefill``.
 
   Depths up to 256 each; powers of two (>= 16) run natively, others are zero-padded.
 
@@ -85,13 +87,13 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k_nope)
   return _mla_prefill(
       q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
-      **ragged.static_options(
+      **dispatch.static_options(
           q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend))
 
 
-@functools.partial(jax.jit, static_argnames=ragged.STATIC_OPTIONS)
+@functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, **static):
   hp = partitioning
   return hp.head_parallel(
@@ -104,20 +106,20 @@ def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, 
 def _mla_impl(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
               max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
               backend):
-  k_nope, k_rope, v, paged = ragged.unpage(k_nope, k_rope, v)
+  k_nope, k_rope, v, paged = logits.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
-  w_nope, w_rope = ragged.padded_depth(d_nope), ragged.padded_depth(d_rope)
+  w_nope, w_rope = logits.padded_depth(d_nope), logits.padded_depth(d_rope)
   shared = k_rope.shape[-2] == 1
   if (w_nope, w_rope) == (d_nope, d_rope):
     # Both halves are powers of two: the kernel reads them straight out of q.
-    q_ops, rope_part = [q], ragged.QkPart(0, d_nope, 1, 0, d_rope, shared_k=shared)
+    q_ops, rope_part = [q], logits.QkPart(0, d_nope, 1, 0, d_rope, shared_k=shared)
   else:
-    q_ops = [ragged.pad_depth(q[..., :d_nope], w_nope),
-             ragged.pad_depth(q[..., d_nope:], w_rope)]
-    rope_part = ragged.QkPart(1, 0, 1, 0, w_rope, shared_k=shared)
-  return ragged.ragged_attention(
-      q_ops, [ragged.pad_depth(k_nope, w_nope), ragged.pad_depth(k_rope, w_rope)], v,
+    q_ops = [logits.pad_depth(q[..., :d_nope], w_nope),
+             logits.pad_depth(q[..., d_nope:], w_rope)]
+    rope_part = logits.QkPart(1, 0, 1, 0, w_rope, shared_k=shared)
+  return dispatch.ragged_attention(
+      q_ops, [logits.pad_depth(k_nope, w_nope), logits.pad_depth(k_rope, w_rope)], v,
       input_row_offsets, kv_input_row_offsets, None, paged=paged,
-      parts=[ragged.QkPart(0, 0, 0, 0, w_nope), rope_part],
+      parts=[logits.QkPart(0, 0, 0, 0, w_nope), rope_part],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret, backend=backend)

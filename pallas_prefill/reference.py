@@ -13,7 +13,7 @@ from jax import lax
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.paged import PagedKV
-from pallas_prefill.ragged import EMPTY_ROW_LSE
+from pallas_prefill.constants import EMPTY_ROW_LSE
 
 _HI = lax.Precision.HIGHEST
 

@@ -56,7 +56,7 @@ BACKENDS = ("triton", "mosaic_gpu", "auto")
 
 
 def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret,
-                  backend="triton"):
+                  backend="auto"):
   if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):
     raise TypeError(
         f"max_prompt_len must be a static Python int, got {type(max_prompt_len).__name__}")
@@ -90,7 +90,7 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
                     f"{config!r}")
   if interpret not in (None, True, False):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
-  # interpret=None means interpret mode exactly on the CPU backend (ragged.static_options).
+  # interpret=None means interpret mode exactly on the CPU backend (dispatch.static_options).
   if backend == "mosaic_gpu" and (jax.default_backend() == "cpu" if interpret is None
                                   else interpret):
     raise ValueError("backend='mosaic_gpu' has no interpret mode (Mosaic GPU's interpreter "
@@ -100,7 +100,7 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
 
 
 def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
-               mask, scale, output_dtype, config, interpret, backend="triton"):
+               mask, scale, output_dtype, config, interpret, backend="auto"):
   """The static checks MHA and MLA share (each then checks its own depths and heads).
 
   q is [total_q, num_heads, depth]; kv_operands maps each K/V argument's name to its

@@ -1,6 +1,6 @@
 """The Mosaic GPU backend's work list built on the GPU by one small Mosaic GPU kernel.
 
-``mosaic.work_list`` and ``mosaic.head_major_order`` compute the per-item table, the
+``work_list.work_list`` and ``schedule.head_major_order`` compute the per-item table, the
 number of items that run and the order of the units in XLA: about 16 small kernels of 2
 to 6 us each on the H200, some 50 us a call (MHA short64's whole call is 0.31 ms). This
 module computes the same table, bit for bit, and the kernel's scalar operand in one
@@ -14,8 +14,6 @@ prefix scans are Hillis-Steele rounds through shared memory, and the sort heavie
 is a bitonic sort of (key, item) packed into one int32. In interpret mode (the CPU tests)
 the same code runs on plain arrays.
 """
-
-# pylint: disable=protected-access  (mosaic's table columns and scalar lanes)
 
 from __future__ import annotations
 
@@ -31,12 +29,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
 from jax._src.lib.mlir.dialects import arith, memref, vector
 
-from pallas_prefill import mosaic  # its table layout (mosaic imports this module)
+from pallas_prefill.mosaic_gpu import layout as L
+from pallas_prefill.mosaic_gpu import schedule
+from pallas_prefill.mosaic_gpu import work_list as xla
 
 WARPGROUP = 128
 MAX_ITEMS = 1024  # items (rounded up to a power of two) the kernel sorts; beyond, XLA
 MAX_SEQS = 1024  # sequences (plus two) the kernel holds; beyond, XLA
-S_KV_TAIL = 3  # the scalars' lane past mosaic's: the end of the last sequence's keys
 
 
 def _pow2(n: int) -> int:
@@ -53,8 +52,8 @@ def sizes(num_items: int, batch: int) -> tuple[int, int]:
 
 
 def num_columns(page_tiles: bool) -> int:
-  """The table's columns: ``mosaic``'s, plus the item's sequence with ``page_tiles``."""
-  return mosaic._META_COLS + (1 if page_tiles else 0)
+  """The table's columns: ``layout``'s, plus the item's sequence with ``page_tiles``."""
+  return L.META_COLS + (1 if page_tiles else 0)
 
 
 def fits(num_items: int, batch: int, kv_tile_bound: int) -> bool:
@@ -147,7 +146,7 @@ class _Ops:
 
 def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
                 num_programs, skip=0):
-  """``mosaic.head_major_order`` of the sorted items' costs (``mosaic.item_costs``, lane
+  """``schedule.head_major_order`` of the sorted items' costs (``schedule.item_costs``, lane
   i item i): each program's load, one lane per program, a row of dealt units per trip
   (``sort_buf`` is overwritten). Where ``skip`` (an int32 scalar, 0 or 1) is 1, no trip
   runs and the result is 1."""
@@ -159,7 +158,7 @@ def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
 
   def deal(r, loads):
     by_item, by_kv_head = loads
-    # (``mosaic._dealt_unit``'s zigzag; arithmetic, as a select on a scalar does not lower)
+    # (``schedule.dealt_unit``'s zigzag; arithmetic, as a select on a scalar does not lower)
     u = r * num_programs + p + lax.rem(r, 2) * (num_programs - 1 - 2 * p)
     ok = (p < num_programs) & (u < units)
     u = jnp.where(ok, u, 0)
@@ -172,16 +171,16 @@ def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
   trips = lax.div(units + num_programs - 1, num_programs) * (1 - skip)
   by_item, by_kv_head = lax.fori_loop(0, trips, deal, (zero, zero))
   worst_item, worst_kv_head = jnp.max(by_item), jnp.max(by_kv_head)
-  return jnp.where(mosaic.head_major_wins(worst_kv_head, worst_item), 1, 0)
+  return jnp.where(schedule.head_major_wins(worst_kv_head, worst_item), 1, 0)
 
 
 def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
-  """``mosaic.dynamic_head_major_order`` of the sorted items' costs (one lane per item;
+  """``schedule.dynamic_head_major_order`` of the sorted items' costs (one lane per item;
   ``scan_buf`` is overwritten)."""
   before = ops.scan(cost, scan_buf, jnp.add, 0) - cost
-  ends = mosaic.claimed_order_end(cost, before, num_heads=num_heads, group=group,
+  ends = schedule.claimed_order_end(cost, before, num_heads=num_heads, group=group,
                                   num_programs=num_programs)
-  return jnp.where(mosaic.head_major_wins(*ends), 1, 0)
+  return jnp.where(schedule.head_major_wins(*ends), 1, 0)
 
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
@@ -194,7 +193,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   table_ref, scalar_ref = refs
   ops = _Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
-  rows = mosaic.COMPUTE_WGS * block_q
+  rows = L.COMPUTE_WGS * block_q
   n_cols = num_columns(page_tiles)
   clip = jnp.clip
 
@@ -223,7 +222,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     kv_tail = jnp.sum(jnp.where(b == batch - 1, kv_end, 0))
     kv_start = jnp.where(b >= batch, 0, kv_start)
     kv_end = jnp.where(b >= batch, 0, kv_end)
-    q_first = mosaic._floor8(q_start)
+    q_first = L.floor8(q_start)
     tiles = jnp.where(q_end > q_start, lax.div(q_end - q_first + rows - 1, rows), 0)
     first = ops.scan(tiles, scan_buf, jnp.add, 0) - tiles
     n_live_items = jnp.sum(tiles)
@@ -243,11 +242,11 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     i_q_start, i_q_len, i_kv_start, i_kv_len, i_q_first, i_first = (
         jnp.where(live, ops.gather(buf, seq), 0) for buf in seq_bufs)
     row = jnp.where(live, i_q_first + (i - i_first) * rows, 0)
-    cols = mosaic.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
+    cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                                block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
     if page_tiles:
       cols.append(jnp.where(live, seq, 0))
-    lo, hi = cols[mosaic._T_LO], cols[mosaic._T_HI]
+    lo, hi = cols[L.T_LO], cols[L.T_HI]
     stores = jnp.minimum(row + rows, i_q_start + i_q_len) > jnp.maximum(row, i_q_start)
     n_live = jnp.sum(jnp.where(stores, 1, 0))
     for c, x in enumerate(cols):
@@ -277,20 +276,20 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       ops.scatter(table_ref, i * n_cols + c, x)
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
-    cost = mosaic.item_costs(sorted_cols[mosaic._T_HI] - sorted_cols[mosaic._T_LO],
+    cost = schedule.item_costs(sorted_cols[L.T_HI] - sorted_cols[L.T_LO],
                              i < n_live)
-    if dynamic:  # ``mosaic.dynamic_schedule``: the deal's loop only where claims lose
+    if dynamic:  # ``schedule.dynamic_schedule``: the deal's loop only where claims lose
       claimed = _dynamic_order(ops, cost, scan_buf, **order)
       dealt = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, skip=claimed,
                           **order)
-      head_major, deal = mosaic.schedule_of(claimed, dealt)
+      head_major, deal = schedule.schedule_of(claimed, dealt)
     else:
       head_major = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, **order)
       deal = 0
     s = _iota(WARPGROUP)
-    tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``mosaic.operands`` has it
-    scalars = s * 0  # the other lanes: 0, mosaic._S_NEXT (the claim count) among them
-    lanes = (mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR, S_KV_TAIL, mosaic._S_DEAL)
+    tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``operands.operands`` has it
+    scalars = s * 0  # the other lanes: 0, L.S_NEXT (the claim count) among them
+    lanes = (L.S_LIVE, L.S_TAIL8, L.S_HEAD_MAJOR, L.S_KV_TAIL, L.S_DEAL)
     for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail, deal)):
       scalars = jnp.where(s == lane, x, scalars)
     ops.scatter(scalar_ref, s, scalars)
@@ -315,15 +314,15 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
           interpret=False):
-  """``mosaic.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
+  """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
   that run, the last key's 8-row group, the unit order for ``num_programs`` programs
   (``head_major_order``'s for the static deal; with ``dynamic``, ``dynamic_schedule``'s,
-  whose second part goes to lane ``mosaic._S_DEAL``), and the end of the last sequence's
+  whose second part goes to lane ``L.S_DEAL``), and the end of the last sequence's
   keys; the rest zeros). Only where ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
-  num_items = mosaic.num_work_items(total_q, batch, block_q)
+  num_items = xla.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
   n_cols = num_columns(page_tiles)
   paged_cap = None

@@ -1,4 +1,5 @@
-"""The ragged attention kernel that MHA and MLA share (Pallas GPU, Triton lowering).
+"""The ragged attention kernel that MHA and MLA share, lowered by Pallas to Triton (any
+NVIDIA GPU, and the Pallas interpreter on the CPU).
 
 One program per (query head, query tile, sequence), as in MAX's ``mha_prefill_v2_ragged``:
 grid ``(num_heads, cdiv(max_prompt_len, block_q), batch)``. Each program reads the row
@@ -11,15 +12,14 @@ derived from them is clamped into the arrays: garbage offsets under ``jit`` can 
 read nor write outside them nor produce NaN.
 
 MHA and MLA differ only in how the logits are formed: the logits are a sum of
-``QkPart`` products, one for MHA, two (nope + rope, the rope K shared by all heads) for
-MLA. Softmax, masking, ragged indexing and tiling are the code below, written once.
+``logits.QkPart`` products, one for MHA, two (nope + rope, the rope K shared by all heads)
+for MLA. Softmax, masking, ragged indexing and tiling are the code below, written once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,35 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_prefill import mosaic
-from pallas_prefill.config import (MhaConfig, MosaicConfig, default_config,
-                                   default_mosaic_config, prefers_mosaic)
-from pallas_prefill.paged import PagedKV
+from pallas_prefill.config import MhaConfig, default_config
+from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 
-# Finite stand-in for -inf: a row that sees no key must come out as zeros, never NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# The log-sum-exp reported for a row that sees no key and has no sink.
-EMPTY_ROW_LSE = -1e30
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 MAX_GRID_DIM = 65535  # CUDA's limit on a launch grid's y and z dimensions
-
-
-@dataclasses.dataclass(frozen=True)
-class QkPart:
-  """One term of the logits: ``q[:, h, q_col:q_col+width] . k[:, kv_head, k_col:k_col+width]``.
-
-  ``q_index``/``k_index`` pick among the kernel's Q and K operands; ``shared_k`` means the K
-  operand has one head that every query head uses (MLA's rope key). ``width`` is a power of
-  two, as every tensor shape in a Triton kernel must be.
-  """
-
-  q_index: int
-  q_col: int
-  k_index: int
-  k_col: int
-  width: int
-  shared_k: bool = False
 
 
 def _read_range(off_ref, b, total, *, force_zero_start):
@@ -230,52 +205,16 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
     _zero_rows(o_ref, lse_ref, h, tail + tile_id * block_q, total_q, stride, block_q)
 
 
-def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
-                     max_prompt_len, mask, scale, output_dtype, return_lse,
-                     config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
-                     backend: str = "triton"):
-  """Launches the ragged attention kernel on validated operands.
-
-  Args:
-    q_ops: Q operands, each [total_q, num_heads, depth_i].
-    k_ops: K operands, each [total_kv, num_kv_heads or 1, depth_i], or with `paged`
-      [num_pages, page_size, num_kv_heads or 1, depth_i].
-    v: [total_kv, num_kv_heads, v_depth] (paged: [num_pages, page_size, ...]); a v_depth
-      that is not a power of two is padded here and the output sliced back.
-    q_offsets, kv_offsets: [batch + 1] int32 or uint32; kv_offsets may be None (K/V
-      packed like Q, or paged).
-    paged: None, or (block_table [batch, max_pages] int32, cache_lengths [batch] int32)
-      when the K/V operands are pages.
-    sink_weights: [num_heads] or None.
-    parts: the QkPart terms whose sum forms the logits; their widths are powers of two.
-    config: None picks ``default_config`` for the summed part widths and v's depth.
-    backend: "triton", "mosaic_gpu" or "auto" (see ``select_backend``).
-
-  Returns:
-    out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
-    float32 when return_lse.
-  """
+def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                            max_prompt_len, mask, scale, output_dtype, return_lse,
+                            config: MhaConfig | None, interpret: bool, paged=None):
+  """The Triton kernel on validated operands (``dispatch.ragged_attention``'s, V padded to
+  a power-of-two depth): out [total_q, num_heads, v_depth] in output_dtype, and lse
+  [total_q, num_heads] float32 when return_lse. config None picks ``default_config`` for
+  the summed part widths and v's depth."""
   total_q, num_heads, _ = q_ops[0].shape
-  num_kv_heads, v_depth = v.shape[-2], v.shape[-1]
+  num_kv_heads = v.shape[-2]
   batch = q_offsets.shape[0] - 1
-  if batch > MAX_GRID_DIM:
-    raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_DIM}: it is the launch "
-                     "grid's z dimension, which CUDA limits")
-  if total_q == 0 or v.shape[0] == 0:
-    # No query, or no key anywhere: nothing for a kernel to do (and nothing to index).
-    return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
-                    return_lse)
-  v = pad_depth(v, padded_depth(v_depth))
-  mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
-                                 max_prompt_len, config, interpret)
-  if mosaic_config is not None:
-    out = mosaic.ragged_attention_mgpu(
-        q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, parts=parts, mask=mask,
-        scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=mosaic_config,
-        paged=paged)
-    if return_lse:
-      return out[0][..., :v_depth], out[1]
-    return out[..., :v_depth]
   if config is None:
     config = default_config(sum(p.width for p in parts), v.shape[-1], v.dtype, mask,
                             max_prompt_len, page_size=None if paged is None else v.shape[1])
@@ -318,91 +257,4 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
       interpret=interpret,
       name="ragged_prefill_attention",
   )(*inputs)
-  out = out[..., :v_depth]
   return (out, lse[0]) if return_lse else out
-
-
-def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
-                   config, interpret) -> MosaicConfig | None:
-  """The Mosaic GPU config to run with, or None for the Triton kernel.
-
-  "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
-  NotImplementedError when the Mosaic GPU kernel cannot serve the case (the reason says
-  why). "auto" is Mosaic GPU where the tuned table for the device says it is the faster
-  one (on a paged cache: wherever the table has the shape, ``config.prefers_mosaic``) and
-  it can serve the case, on the GPU (never in interpret mode); Triton otherwise.
-  """
-  if backend == "triton":
-    return None
-  qk = sum(p.width for p in parts)
-  if isinstance(config, MosaicConfig):
-    mosaic_config = config
-  else:
-    mosaic_config = mosaic.fitted(
-        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
-        v.shape[-1], v.dtype, output_dtype, return_lse)
-  reason = mosaic.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype, return_lse,
-                                     mosaic_config)
-  if backend == "mosaic_gpu":  # validation refused interpret mode
-    if reason is not None:
-      raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
-    return mosaic_config
-  # "auto"
-  if interpret or reason is not None or isinstance(config, MhaConfig):
-    return None
-  if isinstance(config, MosaicConfig) or prefers_mosaic(
-      qk, v.shape[-1], v.dtype, mask, max_prompt_len, paged=paged is not None):
-    return mosaic_config
-  return None
-
-
-def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype, return_lse):
-  """The result when no row sees a key: zeros, and the LSE of the sink alone (the empty
-  row value without one, and for rows past the last offset)."""
-  out = jnp.zeros((total_q, num_heads, v_depth), output_dtype)
-  if not return_lse:
-    return out
-  lse = jnp.full((total_q, num_heads), EMPTY_ROW_LSE, jnp.float32)
-  if sink_weights is not None:
-    last = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, total_q)
-    in_sequence = jnp.arange(total_q)[:, None] < last
-    lse = jnp.where(in_sequence, sink_weights.astype(jnp.float32)[None, :], lse)
-  return out, lse
-
-
-# The options an entry point's jitted implementation takes as static arguments.
-STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
-                  "interpret", "backend")
-
-
-def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
-                   config, interpret, backend="triton") -> dict:
-  """Validated options in the hashable form the jitted implementations take, defaults
-  resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
-  return dict(
-      max_prompt_len=int(max_prompt_len), mask=mask,
-      scale=float(depth ** -0.5 if scale is None else scale),
-      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
-      return_lse=bool(return_lse), config=config,
-      interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
-      backend=backend)
-
-
-def padded_depth(depth: int) -> int:
-  """The power-of-two depth (at least 16, the smallest matrix-instruction K) a depth runs at."""
-  return max(16, 1 << (depth - 1).bit_length())
-
-
-def unpage(*operands):
-  """The arrays behind K/V operands, plus (block_table, cache_lengths) when they are
-  PagedKV (taken from the first: all share one block table) or None."""
-  if not isinstance(operands[0], PagedKV):
-    return (*operands, None)
-  first = operands[0]
-  return (*(x.pages for x in operands), (first.block_table, first.cache_lengths))
-
-
-def pad_depth(x, depth: int):
-  """Zero-pads the last axis of x to `depth` (a no-op when it already has that size)."""
-  extra = depth - x.shape[-1]
-  return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])

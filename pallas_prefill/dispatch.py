@@ -1,0 +1,141 @@
+"""The choice of backend: ``ragged_attention`` takes the entry points' validated operands
+(the logits as ``QkPart`` terms) and runs them on the Triton kernel or the Mosaic GPU one.
+
+This is the only module that imports the backends; they import nothing above them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_prefill import mosaic_gpu
+from pallas_prefill import triton as triton_backend
+from pallas_prefill.config import (MhaConfig, MosaicConfig, default_mosaic_config, is_hopper,
+                                   prefers_triton)
+from pallas_prefill.constants import EMPTY_ROW_LSE
+from pallas_prefill.logits import pad_depth, padded_depth
+
+MAX_GRID_DIM = triton_backend.MAX_GRID_DIM
+
+
+def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                     max_prompt_len, mask, scale, output_dtype, return_lse,
+                     config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
+                     backend: str = "auto"):
+  """Runs the ragged attention kernel of the chosen backend on validated operands.
+
+  Args:
+    q_ops: Q operands, each [total_q, num_heads, depth_i].
+    k_ops: K operands, each [total_kv, num_kv_heads or 1, depth_i], or with `paged`
+      [num_pages, page_size, num_kv_heads or 1, depth_i].
+    v: [total_kv, num_kv_heads, v_depth] (paged: [num_pages, page_size, ...]); a v_depth
+      that is not a power of two is padded here and the output sliced back.
+    q_offsets, kv_offsets: [batch + 1] int32 or uint32; kv_offsets may be None (K/V
+      packed like Q, or paged).
+    paged: None, or (block_table [batch, max_pages] int32, cache_lengths [batch] int32)
+      when the K/V operands are pages.
+    sink_weights: [num_heads] or None.
+    parts: the ``QkPart`` terms whose sum forms the logits; their widths are powers of two.
+    config: None picks the tuned default of the backend that runs.
+    backend: "auto", "triton" or "mosaic_gpu" (see ``select_backend``).
+
+  Returns:
+    out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
+    float32 when return_lse.
+  """
+  total_q, num_heads, _ = q_ops[0].shape
+  v_depth = v.shape[-1]
+  batch = q_offsets.shape[0] - 1
+  if batch > MAX_GRID_DIM:
+    raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_DIM}: it is the launch "
+                     "grid's z dimension, which CUDA limits")
+  if total_q == 0 or v.shape[0] == 0:
+    # No query, or no key anywhere: nothing for a kernel to do (and nothing to index).
+    return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
+                    return_lse)
+  v = pad_depth(v, padded_depth(v_depth))
+  mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
+                                 max_prompt_len, config, interpret)
+  kw = dict(parts=parts, mask=mask, scale=scale, output_dtype=output_dtype,
+            return_lse=return_lse, paged=paged)
+  if mosaic_config is not None:
+    out = mosaic_gpu.ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets,
+                                           sink_weights, config=mosaic_config, **kw)
+  else:
+    out = triton_backend.ragged_attention_triton(
+        q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, max_prompt_len=max_prompt_len,
+        config=config, interpret=interpret, **kw)
+  if return_lse:
+    return out[0][..., :v_depth], out[1]
+  return out[..., :v_depth]
+
+
+def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
+                   config, interpret) -> MosaicConfig | None:
+  """The Mosaic GPU config to run with, or None for the Triton kernel.
+
+  "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
+  NotImplementedError when the Mosaic GPU kernel cannot serve the case (the reason says
+  why). "auto" (the default) is Mosaic GPU on a Hopper GPU wherever it can serve the case,
+  unless the tuned table for the device measured Triton faster there
+  (``config.prefers_triton``) or the config is an ``MhaConfig``; a ``MosaicConfig`` picks
+  Mosaic GPU on any GPU where it serves. Triton otherwise: other GPUs, what Mosaic GPU
+  refuses, and interpret mode.
+  """
+  if backend == "triton":
+    return None
+  qk = sum(p.width for p in parts)
+  if isinstance(config, MosaicConfig):
+    mosaic_config = config
+  else:
+    mosaic_config = mosaic_gpu.fitted(
+        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
+        v.shape[-1], v.dtype, output_dtype, return_lse)
+  reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
+                                         return_lse, mosaic_config)
+  if backend == "mosaic_gpu":  # validation refused interpret mode
+    if reason is not None:
+      raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
+    return mosaic_config
+  # "auto"
+  if interpret or reason is not None or isinstance(config, MhaConfig):
+    return None
+  if isinstance(config, MosaicConfig):
+    return mosaic_config
+  if not is_hopper() or prefers_triton(qk, v.shape[-1], v.dtype, mask, max_prompt_len,
+                                       paged=paged is not None):
+    return None
+  return mosaic_config
+
+
+def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype, return_lse):
+  """The result when no row sees a key: zeros, and the LSE of the sink alone (the empty
+  row value without one, and for rows past the last offset)."""
+  out = jnp.zeros((total_q, num_heads, v_depth), output_dtype)
+  if not return_lse:
+    return out
+  lse = jnp.full((total_q, num_heads), EMPTY_ROW_LSE, jnp.float32)
+  if sink_weights is not None:
+    last = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, total_q)
+    in_sequence = jnp.arange(total_q)[:, None] < last
+    lse = jnp.where(in_sequence, sink_weights.astype(jnp.float32)[None, :], lse)
+  return out, lse
+
+
+# The options an entry point's jitted implementation takes as static arguments.
+STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
+                  "interpret", "backend")
+
+
+def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
+                   config, interpret, backend="auto") -> dict:
+  """Validated options in the hashable form the jitted implementations take, defaults
+  resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
+  return dict(
+      max_prompt_len=int(max_prompt_len), mask=mask,
+      scale=float(depth ** -0.5 if scale is None else scale),
+      output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
+      return_lse=bool(return_lse), config=config,
+      interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+      backend=backend)

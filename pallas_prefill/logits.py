@@ -1,0 +1,52 @@
+"""How the entry points hand their operands to a backend: the logits as a sum of ``QkPart``
+terms over Q and K operands whose depths are padded to what the kernels run.
+
+MHA forms its logits from one term (``q . k``), MLA from two (``q_nope . k_nope`` and
+``q_rope . k_rope``, the rope K shared by every head); softmax, masking, ragged indexing and
+tiling are the same code in each backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_prefill.paged import PagedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class QkPart:
+  """One term of the logits: ``q[:, h, q_col:q_col+width] . k[:, kv_head, k_col:k_col+width]``.
+
+  ``q_index``/``k_index`` pick among the kernel's Q and K operands; ``shared_k`` means the K
+  operand has one head that every query head uses (MLA's rope key). ``width`` is a power of
+  two, as every tensor shape in a Triton kernel must be.
+  """
+
+  q_index: int
+  q_col: int
+  k_index: int
+  k_col: int
+  width: int
+  shared_k: bool = False
+
+
+def padded_depth(depth: int) -> int:
+  """The power-of-two depth (at least 16, the smallest matrix-instruction K) a depth runs at."""
+  return max(16, 1 << (depth - 1).bit_length())
+
+
+def pad_depth(x, depth: int):
+  """Zero-pads the last axis of x to `depth` (a no-op when it already has that size)."""
+  extra = depth - x.shape[-1]
+  return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def unpage(*operands):
+  """The arrays behind K/V operands, plus (block_table, cache_lengths) when they are
+  PagedKV (taken from the first: all share one block table) or None."""
+  if not isinstance(operands[0], PagedKV):
+    return (*operands, None)
+  first = operands[0]
+  return (*(x.pages for x in operands), (first.block_table, first.cache_lengths))

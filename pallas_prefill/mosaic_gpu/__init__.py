@@ -1,0 +1,123 @@
+"""The Mosaic GPU backend (``backend="mosaic_gpu"``, and ``"auto"``'s choice on Hopper):
+what it serves (``unsupported_reason``), and the call of its kernel on validated operands
+(``ragged_attention_mgpu``): operands, work list, then the persistent attention kernel.
+
+The modules, along the kernel's seams: ``layout`` (the work list's columns, the scalars'
+lanes), ``work_list`` (the work list in XLA) and ``work_items`` (the same from one small
+Mosaic GPU kernel), ``schedule`` (the unit orders and the deal), ``primitives`` (inline
+PTX/MLIR), ``operands`` (the work before the kernel), ``smem`` (the scratch and its shared
+memory), ``kernel`` (the attention kernel in named stages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_prefill.config import MosaicConfig
+from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
+from pallas_prefill.mosaic_gpu import layout as L
+from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
+from pallas_prefill.mosaic_gpu.operands import gathered_pages, operands
+from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
+
+__all__ = ["fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
+
+
+def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
+                       config: MosaicConfig) -> str | None:
+  """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
+  need no check: pages of ``L.MIN_NATIVE_PAGE`` rows or more are read in place, smaller
+  ones gathered first (``gathered_pages``)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
+  for w in [p.width for p in parts] + [v_depth]:
+    if w % 64 or w > 256:
+      return f"depth {w}: the mosaic_gpu backend needs depths that are multiples of 64 <= 256"
+  need = smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config)
+  if need > L.SMEM_BYTES:
+    split = (" (split units: a K/V stream per compute warpgroup, twice the buffers; "
+             "or shared units)" if config.split_units else "")
+    return (f"{need} bytes of shared memory for {config} exceed {L.SMEM_BYTES}; "
+            f"use fewer stages or smaller tiles{split}")
+  return None
+
+
+def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
+  """The config for native pages of page_size rows (``layout.MIN_NATIVE_PAGE`` or more):
+  its KV tiles span pages (``MosaicOptions.tile_spans_pages``), or are cut to one page."""
+  if config.options.tile_spans_pages:
+    return config
+  return dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+
+
+def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+                          mask, scale, output_dtype, return_lse, config: MosaicConfig,
+                          paged=None):
+  """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
+  None); arguments and results as ``dispatch.ragged_attention``'s (V padded). A paged cache
+  (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
+  or from ``layout.tile_pages`` consecutive ones, when its pages have
+  ``layout.MIN_NATIVE_PAGE`` rows or more; smaller pages are gathered into contiguous K/V
+  first (``operands.gathered_pages``). Split units need dynamic scheduling
+  (``smem.splits``): without it, the units are shared."""
+  total_q, num_heads, _ = q_ops[0].shape
+  paged_cache = block_table = page_size = None
+  config = dataclasses.replace(config, split_units=splits(config))
+  if paged is not None:
+    block_table, cache_lengths = paged
+    paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
+    if v.shape[1] >= L.MIN_NATIVE_PAGE:
+      page_size = v.shape[1]
+      config = paged_config(config, page_size)
+    else:
+      gathered, _ = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
+                                   total_q)
+      k_ops, v, block_table = gathered[:-1], gathered[-1], None
+  num_kv_heads, v_depth = v.shape[-2:]
+  rows = L.COMPUTE_WGS * config.block_q
+  inputs, lse_slot, programs = operands(q_ops, k_ops, v, q_offsets, kv_offsets,
+                                        sink_weights, mask=mask, return_lse=return_lse,
+                                        config=config, paged_cache=paged_cache,
+                                        block_table=block_table)
+  num_items = inputs[0].shape[0]  # the work list's rows
+  spec = KernelSpec(
+      parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), dtype=v.dtype, v_depth=v_depth,
+      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
+      scale=scale * LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
+      out_dtype=jnp.dtype(output_dtype), page_size=page_size,
+      out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
+      dynamic=config.options.dynamic, split=config.split_units,
+      fold_scale=config.options.fold_scale)
+  kernel = functools.partial(attention_kernel, spec=spec)
+  if config.options.dynamic:
+    # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call
+    # (a Ref, which the kernel updates in place), whoever else reads the scalars.
+    inputs[1] = jax.new_ref(inputs[1])
+  out_type = [jax.ShapeDtypeStruct((total_q, num_heads, v_depth), output_dtype)]
+  if return_lse:
+    out_type.append(jax.ShapeDtypeStruct((num_heads, num_items * rows), jnp.float32))
+  results = plgpu.kernel(
+      kernel, out_type=out_type, grid=(programs,),
+      grid_names=("cta",),
+      # A producer warpgroup per K/V stream (``MosaicConfig.split_units``: one each).
+      num_threads=L.COMPUTE_WGS + (L.COMPUTE_WGS if config.split_units else 1),
+      thread_name="wg",
+      # No cross-warp reductions (a row's scores lie in one warp): no scratch for them.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+  )(*inputs)
+  if not return_lse:
+    return results[0]
+  # Rows past offsets[-1] belong to no sequence: no sink either (the empty-row value).
+  last = lax.cummax(jnp.clip(q_offsets[1:].astype(jnp.int32), 0, total_q))[-1]
+  lse = jnp.take(results[1], lse_slot, axis=1).T
+  return results[0], jnp.where(jnp.arange(total_q)[:, None] < last, lse,
+                               EMPTY_ROW_LSE)
+
+

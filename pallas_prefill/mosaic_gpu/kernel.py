@@ -1,0 +1,684 @@
+"""The ragged attention kernel in Pallas Mosaic GPU (Hopper, sm_90), in named stages.
+
+The structure is FlashAttention-3's, as in JAX's dense ``ops/gpu/attention_mgpu.py``: per
+program two compute warpgroups (``compute_warpgroup``), each with ``block_q`` query rows,
+and one producer warpgroup (``producer_warpgroup``) that streams K/V tiles through
+``num_stages`` shared-memory slots with TMA. Per KV tile a compute warpgroup runs
+``qk_scores``, ``mask_scores`` (on the tiles the mask cuts), ``online_softmax`` and ``pv``;
+the two take turns on the tensor cores (``Turns``: two hardware named barriers), so that
+one's softmax overlaps the other's matrix products; ``epilogue`` normalizes and stores.
+The kernel is persistent: one program per SM runs its share of the (head, work item)
+units back to back (``Units``: the static deal, or claims from a global counter, in the
+order ``schedule`` picks), the K/V slots and barrier phases carried from one unit to the
+next, so that the producer streams the next unit's first tiles and each compute
+warpgroup loads its next Q while the last unit is finished and written out.
+
+The ragged parts, which the dense kernel has none of:
+
+- A work list (``work_list``, or ``work_items`` on the GPU): one item per pair of query
+  tiles of one sequence, heaviest first. Each item's row ranges and KV tile ranges are read
+  from a small int32 table (``layout``'s columns), so that the three warpgroups agree on
+  every trip count, zero included. Only the items that store rows run.
+- TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
+  arrays whose row count is one. Q, K and V avoid the second: they live in 64-column
+  buffers that TMA fills untiled, from any row of arrays of any row count, read by the
+  matrix products through an (8, 64)-tiled view of the same bytes (``smem.Scratch``); P.V
+  is one product per 64 columns of V, each into its own accumulator. An item starts at its
+  sequence's first row rounded down to 8; the rows before it (a neighbour's) and past the
+  sequence are computed and never stored.
+- KV tile i starts at the sequence's first key rounded down to 8, plus i * block_kv, but
+  no later than ``max(ceil8(kv_end) - block_kv, 0)`` (``tile_first_row``): the last tile
+  is shifted back to end in the 8-row group of the last key, so it reads no K/V row past
+  that group. The keys it repeats and those before the sequence are masked
+  (``visible_keys``). Rows past the batch's last key may hold anything, NaN included, and
+  0 * NaN would poison P.V: the group holding that key comes from ``v_tail``, rows past
+  the key zeroed (``operands``).
+- Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
+  rows, for each 64-column output buffer), as JAX's ragged_dot does, so no store touches
+  a neighbour's rows. The LSE goes to a per-item buffer that XLA gathers back into rows.
+  (One output buffer per accumulator, not one buffer written a column slice at a time:
+  the sliced stores into the warpgroup's buffer gave a wrong second half on the H200 that
+  interpret mode does not show, BUILD_NOTES.md. Where shared memory holds only one buffer,
+  ``smem.output_buffers``, that one is filled and stored a column chunk at a time.)
+- Paged caches with pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place:
+  KV tile i of a sequence is its positions [i * block_kv, (i + 1) * block_kv), which lie
+  in one page or span ``layout.tile_pages`` whole pages; the producer reads the page ids
+  from the block table and TMAs the tile from them, a copy per page; each sequence's last
+  V tile comes from ``v_tail`` (rows past its keys zeroed: stale cache rows may be NaN).
+
+With ``MosaicConfig.split_units`` each compute warpgroup instead runs half-units of its
+own (a head and its ``block_q`` rows of an item, the half's own KV tile range), fed by a
+producer warpgroup of its own through K/V slots of its own (a "lane"), with no turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
+from pallas_prefill.mosaic_gpu import layout as L
+from pallas_prefill.mosaic_gpu import primitives
+from pallas_prefill.mosaic_gpu import smem
+from pallas_prefill.mosaic_gpu.schedule import (dealt_unit, num_local_units, program_unit,
+                                                unit_head_item)
+
+# The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
+# (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
+# barrier 0 and 1 + the warpgroup index.
+TURN_BARRIER = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """What one compilation of the kernel is for (static).
+
+  parts: the ``logits.QkPart`` terms; n_q, n_k: the Q and K operands; dtype: theirs and
+  V's; v_depth: V's (a multiple of 64); scale: the logit
+  scale times log2(e); group: query heads per K/V head; out_buffers:
+  ``smem.output_buffers``; dynamic: claimed units (``MosaicOptions.dynamic``); split:
+  split units; page_size: K/V operands are pages [num_pages, page_size, heads, depth]
+  read a tile at a time from the pages the block table names (``v_tail`` then holds each
+  sequence's last V tile, and the block table follows it); fold_scale:
+  ``MosaicOptions.fold_scale``.
+  """
+
+  parts: tuple
+  n_q: int
+  n_k: int
+  dtype: object
+  v_depth: int
+  has_sink: bool
+  has_lse: bool
+  mask: object
+  scale: float
+  block_q: int
+  block_kv: int
+  num_stages: int
+  group: int
+  num_heads: int
+  out_dtype: object
+  out_buffers: int
+  dynamic: bool
+  split: bool = False
+  page_size: int | None = None
+  fold_scale: bool = True
+
+  @property
+  def chunks(self):
+    return L.column_chunks(self.parts)
+
+  @property
+  def pages(self) -> int:
+    """The pages a paged KV tile comes from (``piece`` rows from each)."""
+    return 1 if self.page_size is None else L.tile_pages(self.block_kv, self.page_size)
+
+  @property
+  def piece(self) -> int:
+    return self.block_kv // self.pages
+
+
+@dataclasses.dataclass(frozen=True)
+class Refs:
+  """The kernel's operands in global memory, by name (``operands.operands`` makes them):
+  the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
+  V, ``v_tail``, the block table (paged only, else None), the output and the per-item LSE
+  (or None)."""
+
+  meta: object
+  scalars: object
+  sink: object
+  q: list
+  k: list
+  v: object
+  v_tail: object
+  table: object
+  o: object
+  lse: object
+
+  @classmethod
+  def unpack(cls, meta_ref, scalar_ref, refs, spec: KernelSpec) -> Refs:
+    refs = list(refs)
+    sink = refs.pop(0) if spec.has_sink else None
+    q, refs = refs[:spec.n_q], refs[spec.n_q:]
+    k, refs = refs[:spec.n_k], refs[spec.n_k:]
+    v, v_tail, *refs = refs
+    table = refs.pop(0) if spec.page_size is not None else None
+    return cls(meta=meta_ref, scalars=scalar_ref, sink=sink, q=q, k=k, v=v, v_tail=v_tail,
+               table=table, o=refs[0], lse=refs[1] if spec.has_lse else None)
+
+
+def tile_first_row(kv_row8, kv_last8, i, *, block_kv):
+  """KV tile i's first row in the K/V arrays, a multiple of 8 (see ``work_list``)."""
+  return jnp.minimum(kv_row8 + i * (block_kv // 8), kv_last8) * 8
+
+
+def visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len, *, block_kv):
+  """Which (query, key) pairs of KV tile i a masked step keeps: keys of the sequence
+  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had (a shifted last
+  tile repeats some; the first tile starts up to 7 rows before the sequence)."""
+  fresh = jnp.maximum(kv_row8 * 8 + i * block_kv - kv_start, 0)
+  return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
+
+
+def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
+  """The kernel body: allocates the scratch and runs the warpgroups' roles."""
+  refs = Refs.unpack(meta_ref, scalar_ref, refs, spec)
+  scratch = smem.scratch(
+      # V's 64-column buffers: one accumulator each
+      chunks=len(spec.chunks), v_chunks=spec.v_depth // L.CHUNK, dtype=spec.dtype,
+      out_dtype=spec.out_dtype, out_buffers=spec.out_buffers, has_lse=spec.has_lse,
+      block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
+      split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
+      paged=spec.page_size is not None)
+
+  def roles(scratch: smem.Scratch):
+    wg = lax.axis_index("wg")
+    units = Units(spec, refs, scratch, wg)
+    pl.when(wg < L.COMPUTE_WGS)(lambda: compute_warpgroup(spec, refs, scratch, units, wg))
+    pl.when(wg >= L.COMPUTE_WGS)(lambda: producer_warpgroup(spec, refs, scratch, units))
+
+  pl.run_scoped(roles, scratch, collective_axes="wg")
+
+
+# --------------------------------------------------------------------------------------
+# Scheduling: this program's units, and the claims that pass them on.
+
+class Units:
+  """This program's (head, work item) units, as every warpgroup of it sees them.
+
+  A unit is (head, item, half): half 0 for shared units (each compute warpgroup takes its
+  own rows of them); with split units, unit v is half v % 2 (the rows of warpgroup
+  v % 2's share) of shared unit v // 2, so that an item's two halves are claimed one
+  after the other. Dynamic: each program's producer claims (or takes as dealt) the next
+  unit one ahead and passes it to the compute warpgroups through two shared-memory slots
+  a lane (``publish``, ``take``). Static: ``schedule.program_unit`` deals them.
+  """
+
+  def __init__(self, spec: KernelSpec, refs: Refs, scratch: smem.Scratch, wg):
+    self.spec, self.refs, self.scratch, self.wg = spec, refs, scratch, wg
+    self.lane = lax.rem(wg, jnp.int32(L.COMPUTE_WGS)) if spec.split else 0
+    self.n_live = refs.scalars[L.S_LIVE]
+    self.n_units = self.n_live * spec.num_heads * (L.COMPUTE_WGS if spec.split else 1)
+    # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
+    self.by_order = functools.partial(
+        unit_head_item, num_heads=spec.num_heads, group=spec.group, n_live=self.n_live,
+        head_major=refs.scalars[L.S_HEAD_MAJOR])
+
+  def claimed(self, u):
+    """The (head, item, half) of claimed unit u."""
+    if self.spec.split:
+      return (*self.by_order(lax.div(u, jnp.int32(L.COMPUTE_WGS))),
+              lax.rem(u, jnp.int32(L.COMPUTE_WGS)))
+    return (*self.by_order(u), 0)
+
+  def item_of(self, hwh):
+    """Unit (head, item, half)'s head, item, its table row reader, its KV tile range
+    (the item's, or with split units the half's), and whose rows it computes (the half,
+    or for shared units the warpgroup's own)."""
+    h, w, half = hwh
+    meta = lambda col: self.refs.meta[w, col]  # noqa: E731
+    if self.spec.split:
+      return (h, w, meta, meta(L.WG_COLS + 4 * half), meta(L.WG_COLS + 4 * half + 3), half)
+    return h, w, meta, meta(L.T_LO), meta(L.T_HI), self.wg
+
+  def take(self, k):
+    """(Dynamic, compute warpgroups) this program's k-th claim: a unit, or n_units or
+    more when none is left."""
+    s = self.lane * 2 + lax.rem(k, 2)
+    plgpu.barrier_wait(self.scratch.unit_ready.at[s])
+    u = self.scratch.units[s]
+    plgpu.barrier_arrive(self.scratch.unit_used.at[s])
+    return u
+
+  def publish(self, k):
+    """(Dynamic, producer) claims this program's k-th unit, or takes the one the static
+    zigzag deals it (``schedule.dynamic_schedule``), and passes it on."""
+    scratch, scalars = self.scratch, self.refs.scalars
+    s = self.lane * 2 + lax.rem(k, 2)
+    pl.when(k >= 2)(lambda: plgpu.barrier_wait(scratch.unit_used.at[s]))
+    dealt = dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k)
+    if self.spec.split:  # both lanes of a program take the halves of the units it is dealt
+      dealt = dealt * L.COMPUTE_WGS + self.lane
+    primitives.claim(scalars, scratch.units, s, jnp.where(scalars[L.S_DEAL] != 0, dealt, -1))
+    u = scratch.units[s]
+    plgpu.barrier_arrive(scratch.unit_ready.at[s])
+    return u
+
+  def for_each_unit(self, run, first, next_unit):
+    """run(hw, base, fetch_next) on each of this program's units in turn; base counts
+    the K/V tiles earlier units streamed through the slots. first(hw) runs before the
+    loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
+    its hw) once per unit: with dynamic scheduling, that takes the next claim."""
+    spec = self.spec
+    if not spec.dynamic:  # the units program_unit deals this program (its k-th: units(k))
+      units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
+                                num_heads=spec.num_heads, group=spec.group,
+                                n_live=self.n_live, head_major=self.refs.scalars[L.S_HEAD_MAJOR])
+      n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), self.n_units)
+      pl.when(n_local > 0)(lambda: first((*units(0), 0)))
+
+      def static_step(k, base):
+        return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)))
+
+      lax.fori_loop(0, n_local, static_step, jnp.int32(0))
+      return
+    u0 = next_unit(0)
+    pl.when(u0 < self.n_units)(lambda: first(self.claimed(u0)))
+
+    def dynamic_step(carry):
+      k, base, u = carry
+      got = []
+
+      def fetch_next():
+        got.append(next_unit(k + 1))
+        return got[0] < self.n_units, self.claimed(got[0])
+
+      base = run(self.claimed(u), base, fetch_next)
+      return k + 1, base, got[0]
+
+    lax.while_loop(lambda carry: carry[2] < self.n_units, dynamic_step,
+                   (jnp.int32(0), jnp.int32(0), u0))
+
+  def slot_of(self, i, base, item_lo):
+    """The K/V slot of tile i; base: the tiles this program's (lane's) earlier items
+    streamed through the slots."""
+    num_stages = self.spec.num_stages
+    return self.lane * num_stages + lax.rem(base + i - item_lo, jnp.int32(num_stages))
+
+
+class Turns:
+  """Tensor-core turns on two hardware named barriers. A warpgroup's P.V waits until the
+  other has issued its Q.K, so that the matrix products alternate between the two and
+  one's softmax overlaps the other's products: after issuing Q.K, ``qk_issued``; then
+  ``pv_turn`` around waiting for V. Each item starts with warpgroup 1 one turn behind
+  (``start``), and ends with the two meeting at warpgroup 1's last turn (``end``:
+  warpgroup 0 must not signal twice before warpgroup 1 has taken the first signal). Split
+  units take no turns: the two warpgroups' units are unrelated."""
+
+  def __init__(self, split: bool, wg):
+    self.split, self.wg = split, wg
+
+  def qk_issued(self):
+    if not self.split:
+      primitives.named_barrier("arrive", TURN_BARRIER + 1 - self.wg)
+
+  def pv_turn(self, wait_v):
+    wait_v()
+    if not self.split:
+      primitives.named_barrier("sync", TURN_BARRIER + self.wg)
+
+  def start(self):
+    if not self.split:
+      pl.when(self.wg == 1)(lambda: primitives.named_barrier("sync", TURN_BARRIER + self.wg))
+
+  def end(self):
+    if not self.split:
+      pl.when(self.wg == 0)(lambda: primitives.named_barrier("sync", TURN_BARRIER + 1 - self.wg))
+
+
+# --------------------------------------------------------------------------------------
+# The compute warpgroups: Q.K, masking, the online softmax, P.V and the epilogue.
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """What a compute warpgroup knows of the unit it runs: its head h and item w; its KV
+  tiles [item_lo, item_hi) (the K/V slots' stream), of which it computes [t_lo, t_hi),
+  masked outside [u_lo, u_hi); its first Q row (a multiple of 8), the rows
+  [first, first + n_rows) of it that it stores, and the position of that first row; the
+  sequence's K/V start and length and its tiles' alignment (``tile_first_row``)."""
+
+  h: object
+  w: object
+  half: object
+  item_lo: object
+  item_hi: object
+  t_lo: object
+  u_lo: object
+  u_hi: object
+  t_hi: object
+  row: object
+  first: object
+  n_rows: object
+  row_pos: object
+  kv_start: object
+  kv_len: object
+  kv_row8: object
+  kv_last8: object
+  base: object
+
+
+def first_q_row(meta, half, block_q):
+  """The first Q row of an item's half (a multiple of 8)."""
+  return (meta(L.ROW8) + half * (block_q // 8)) * 8
+
+
+def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units, wg):
+  """A compute warpgroup's role: its units' attention, one after another."""
+  # Split: four warpgroups, 2 x 224 + 2 x 32 registers a thread (65536 an SM).
+  plgpu.set_max_registers(224 if spec.split else 232, action="increase")
+  q_fill = [fill.at[wg] for fill, _ in scratch.q]
+  own = dict(q=[tiled.at[wg] for _, tiled in scratch.q], o=[o.at[wg] for o in scratch.o],
+             lse=scratch.lse.at[wg] if spec.has_lse else None)
+
+  def load_q(hw):
+    """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free)."""
+    h, _, meta, _, _, half = units.item_of(hw)
+    row = first_q_row(meta, half, spec.block_q)
+    for (part, col), s in zip(spec.chunks, q_fill):
+      plgpu.copy_gmem_to_smem(
+          refs.q[part.q_index].at[pl.ds(row, spec.block_q), h, pl.ds(part.q_col + col, L.CHUNK)],
+          s, scratch.q_loaded.at[wg])
+
+  def run(hw, base, fetch_next):
+    item = read_item(spec, units, hw, base)
+    plgpu.barrier_wait(scratch.q_loaded.at[wg])
+    turns = Turns(spec.split, wg)
+    carry = attend_item(spec, refs, scratch, units, turns, item, own["q"])
+    turns.end()
+    # The matrix products are done with this Q: the next item's loads while this one is
+    # written out.
+    has_next, next_hw = fetch_next()
+    pl.when(has_next)(lambda: load_q(next_hw))
+    epilogue(spec, refs, item, carry, own["o"], own["lse"])
+    return base + item.item_hi - item.item_lo
+
+  units.for_each_unit(run, load_q, units.take)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def read_item(spec: KernelSpec, units: Units, hw, base) -> Item:
+  """The unit's row of the work list, as the compute warpgroup needs it (``Item``)."""
+  h, w, meta, item_lo, item_hi, half = units.item_of(hw)
+  kv_start, kv_len = meta(L.KV_START), meta(L.KV_LEN)
+  kv_row8, kv_last8 = meta(L.KV_ROW8), meta(L.KV_LAST8)
+  q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
+  col = lambda j: meta(L.WG_COLS + 4 * half + j)  # noqa: E731
+  t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
+  row = first_q_row(meta, half, spec.block_q)
+  first = jnp.clip(q_start - row, 0, spec.block_q)  # rows before it: a neighbour's
+  n_rows = jnp.clip(q_start + q_len - row, 0, spec.block_q) - first
+  row_pos = kv_len - q_len + row - q_start  # position of the row `row`
+  return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
+              u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
+              kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base)
+
+
+def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem):
+  """The KV loop of one unit: skipped tiles (the item's, outside this warpgroup's range),
+  masked tiles, unmasked ones, masked ones, skipped ones. Returns (acc, m, l)."""
+  layout = plgpu.Layout.WGMMA
+  if spec.has_sink:
+    m0, l0 = refs.sink[item.h] * LOG2_E, 1.0
+  else:
+    m0, l0 = MASK_VALUE, 0.0
+  m_i = plgpu.layout_cast(jnp.full((spec.block_q,), m0, jnp.float32), layout.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((spec.block_q,), l0, jnp.float32), layout.reduce(1))
+  # One accumulator per 64 columns of V: P.V is one matrix product per V buffer.
+  acc = tuple(plgpu.layout_cast(jnp.zeros((spec.block_q, L.CHUNK), jnp.float32), layout)
+              for _ in scratch.v)
+  turns.start()
+  slot = lambda i: units.slot_of(i, item.base, item.item_lo)  # noqa: E731
+
+  def skip(i, carry):
+    plgpu.barrier_wait(scratch.k_loaded.at[slot(i)])
+    plgpu.barrier_arrive(scratch.k_consumed.at[slot(i)])
+    turns.qk_issued()
+    turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
+    plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
+    return carry
+
+  def step(i, carry, *, masked):
+    return attend_tile(spec, scratch, turns, item, q_smem, i, slot, carry, masked=masked)
+
+  masked_step = functools.partial(step, masked=True)
+  lax.fori_loop(item.item_lo, item.t_lo, skip, None)
+  carry = (acc, m_i, l_i)
+  carry = lax.fori_loop(item.t_lo, item.u_lo, masked_step, carry)
+  carry = lax.fori_loop(item.u_lo, item.u_hi, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(item.u_hi, item.t_hi, masked_step, carry)
+  lax.fori_loop(item.t_hi, item.item_hi, skip, None)
+  return carry
+
+
+def attend_tile(spec, scratch, turns, item: Item, q_smem, i, slot, carry, *, masked):
+  """KV tile i of the online softmax: (acc, m, l) -> (acc, m, l); slot(i) is its K/V
+  slot."""
+  acc, m_i, l_i = carry
+  s = qk_scores(spec, scratch, turns, q_smem, i, slot)
+  fold = spec.fold_scale and spec.scale > 0  # the row maximum commutes with the scale
+  if not fold:
+    s = s * spec.scale
+  if masked:
+    s = mask_scores(spec, item, i, s)
+  acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
+  acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
+  return acc, m_new, l_i
+
+
+def qk_scores(spec, scratch, turns, q_smem, i, slot):
+  """S = Q.K^T of KV tile i (float32 [block_q, block_kv], unscaled), one matrix product
+  per 64-column chunk; releases its K slot."""
+  plgpu.barrier_wait(scratch.k_loaded.at[slot(i)])
+
+  def qk(acc_ref):
+    for qs, (_, ks) in zip(q_smem, scratch.k):
+      plgpu.wgmma(acc_ref, qs, ks.at[slot(i)].transpose((1, 0)))
+    turns.qk_issued()
+    return acc_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((spec.block_q, spec.block_kv), jnp.float32))
+  plgpu.barrier_arrive(scratch.k_consumed.at[slot(i)])
+  return s
+
+
+def mask_scores(spec, item: Item, i, s):
+  """-inf where the mask hides a (query, key) pair of tile i, or the key is not the
+  sequence's or an earlier tile had it (``visible_keys``)."""
+  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (spec.block_q, spec.block_kv),
+                           layout=plgpu.Layout.WGMMA)
+  q_pos = item.row_pos + iota(0)
+  k_pos = tile_first_row(item.kv_row8, item.kv_last8, i, block_kv=spec.block_kv) - (
+      item.kv_start) + iota(1)
+  visible = visible_keys(spec.mask, q_pos, k_pos, i, item.kv_row8, item.kv_start,
+                         item.kv_len, block_kv=spec.block_kv)
+  return jnp.where(visible, s, -jnp.inf)
+
+
+def online_softmax(spec, s, acc, m_i, l_i, *, fold):
+  """The running maximum and the tile's probabilities (base 2, the scale folded into the
+  exponent where ``fold``: one FFMA per score); the accumulators and the running sum
+  rescaled to the new maximum. Returns (acc, l, m_new, p, p in the input dtype)."""
+  if fold:
+    m_new = jnp.maximum(m_i, s.max(axis=1) * spec.scale)
+    p = primitives.exp2_fma(s, spec.scale, lax.broadcast_in_dim(-m_new, s.shape, [0]))
+  else:
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  alpha = jnp.exp2(m_i - m_new)
+  acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
+  l_i = l_i * alpha
+  return acc, l_i, m_new, p, p.astype(spec.dtype)  # the matrix products' input dtype
+
+
+def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16):
+  """acc += P.V of KV tile i, one product per 64 columns of V, in this warpgroup's turn;
+  releases its V slot. The row sums join the running sum before the turn up to V depth 128
+  (kept there by an optimization barrier, which the new maximum passes through too), after
+  it beyond (register pressure). Returns (acc, l, m_new)."""
+  if spec.v_depth <= 128:
+    l_i = l_i + p.sum(axis=1)
+    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+    turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
+  else:
+    turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
+    l_i = l_i + p.sum(axis=1)
+
+  def products(acc_refs):
+    for acc_ref, (_, vs) in zip(acc_refs, scratch.v):
+      plgpu.wgmma(acc_ref, p16, vs.at[slot(i)])
+
+  acc = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in acc))
+  plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
+  return acc, l_i, m_new
+
+
+def epilogue(spec, refs, item: Item, carry, o_smem, lse_smem):
+  """Normalizes the accumulators and stores the unit's rows [first, first + n_rows) of
+  the output (and its LSE to the per-item buffer)."""
+  acc, m_i, l_i = carry
+  seen = l_i > 0
+  l_safe = jnp.where(seen, l_i, 1.0)
+  out = [(a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(spec.out_dtype) for a in acc]
+  # The output buffers take len(o_smem) accumulators at a time: all of them, or one
+  # (``smem.output_buffers``), refilled once the previous column chunk's stores read it.
+  for g in range(0, len(out), len(o_smem)):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read
+    for buf, part in zip(o_smem, out[g:]):
+      buf[...] = part
+    if spec.has_lse and g == 0:
+      lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
+    plgpu.commit_smem()
+    store_rows(spec, refs, item, o_smem, g)
+  if spec.has_lse:
+    plgpu.copy_smem_to_gmem(
+        lse_smem, refs.lse.at[item.h, pl.ds((item.w * L.COMPUTE_WGS + item.half) * spec.block_q,
+                                            spec.block_q)])
+
+
+def store_rows(spec, refs, item: Item, o_smem, g):
+  """Row-exact store of rows [first, first + n_rows) of the output buffers (columns
+  from chunk g on): one TMA per set bit of n_rows, so no store touches a neighbour's rows."""
+  start, size = item.first, spec.block_q
+  while size >= 1:
+    take = (item.n_rows & size) != 0
+
+    @pl.when(take)
+    def _store(start=start, size=size):
+      for c, buf in enumerate(o_smem):
+        plgpu.copy_smem_to_gmem(
+            buf.at[pl.ds(start, size)],
+            refs.o.at[pl.ds(item.row + start, size), item.h, pl.ds((g + c) * L.CHUNK, L.CHUNK)])
+
+    start = start + jnp.where(take, size, 0)
+    size //= 2
+
+
+# --------------------------------------------------------------------------------------
+# The producer warpgroup: K and V tiles by TMA into the slots.
+
+def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units):
+  """The producer's role: each unit's K/V tiles into the slots, claiming the next unit
+  before it loads this one's tiles (the compute warpgroups then have it when they finish
+  this one)."""
+  plgpu.set_max_registers(32 if spec.split else 40, action="decrease")
+  tail8 = refs.scalars[L.S_TAIL8]
+
+  def load_item(hw, base, fetch_next):
+    fetch_next()
+    h, _, meta, item_lo, item_hi, _ = units.item_of(hw)
+    kv_head = lax.div(h, jnp.int32(spec.group))
+    tile_row = functools.partial(tile_first_row, meta(L.KV_ROW8), meta(L.KV_LAST8),
+                                 block_kv=spec.block_kv)
+    paged = None
+    if spec.page_size is not None:
+      seq = meta(L.SEQ)
+      paged = (seq, lax.div(jnp.maximum(meta(L.KV_LEN) - 1, 0), jnp.int32(spec.block_kv)))
+
+    @pl.loop(item_lo, item_hi)
+    def _load(i):
+      slot = units.slot_of(i, base, item_lo)
+      start = tile_row(i)
+      reuse = base + i - item_lo >= spec.num_stages
+      pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.k_consumed.at[slot]))
+      copies = (paged_copies(spec, refs, paged[0], start) if paged
+                else contiguous_copies(spec, start))
+      load_k_tile(spec, refs, scratch, slot, copies, kv_head)
+      pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot]))
+      if paged:
+        load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
+      else:
+        load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8)
+
+    return base + item_hi - item_lo
+
+  units.for_each_unit(load_item, lambda hw: None, units.publish)
+
+
+def contiguous_copies(spec, start):
+  """copies(x, *idx): the (GMEM view, slot rows) pairs of a contiguous KV tile at row
+  `start`: one."""
+  return lambda x, *idx: [(x.at[pl.ds(start, spec.block_kv), *idx],  # noqa: E731
+                           pl.ds(0, spec.block_kv))]
+
+
+def paged_copies(spec, refs, seq, start):
+  """copies(x, *idx) for a paged KV tile: positions [start, start + block_kv) of sequence
+  `seq`, ``spec.pages`` pieces of ``spec.piece`` rows, each inside one page
+  (``layout.tile_pages``). The table's page ids are in range; a piece past the table's
+  last column (only in the sequence's last tile, past its keys) reads that column's page."""
+  def piece_at(j):
+    pos = start + j * spec.piece
+    col = jnp.minimum(lax.div(pos, jnp.int32(spec.page_size)), refs.table.shape[1] - 1)
+    return refs.table[seq, col], lax.rem(pos, jnp.int32(spec.page_size))
+
+  spots = [piece_at(j) for j in range(spec.pages)]
+  return lambda x, *idx: [  # noqa: E731
+      (x.at[page, pl.ds(row, spec.piece), *idx], pl.ds(j * spec.piece, spec.piece))
+      for j, (page, row) in enumerate(spots)]
+
+
+def load_k_tile(spec, refs, scratch, slot, copies, kv_head):
+  """TMA of a K tile into ``slot``: every 64-column chunk of every logit part (a shared
+  rope K from its one head)."""
+  for (part, col), (ks, _) in zip(spec.chunks, scratch.k):
+    k_head = 0 if part.shared_k else kv_head
+    for src, rows in copies(refs.k[part.k_index], k_head, pl.ds(part.k_col + col, L.CHUNK)):
+      plgpu.copy_gmem_to_smem(src, ks.at[slot].at[rows], scratch.k_loaded.at[slot])
+
+
+def load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, seq, last_tile):
+  """TMA of a paged V tile: from the pages, but the sequence's last tile from ``v_tail``,
+  whose rows past the sequence's keys are zeros (stale cache rows may be NaN)."""
+  for c, (vs, _) in enumerate(scratch.v):
+    cols = pl.ds(c * L.CHUNK, L.CHUNK)
+
+    @pl.when(i == last_tile)
+    def _(cols=cols, vs=vs):
+      for j in range(spec.pages):
+        rows = pl.ds(j * spec.piece, spec.piece)
+        plgpu.copy_gmem_to_smem(refs.v_tail.at[seq, rows, kv_head, cols],
+                                vs.at[slot].at[rows], scratch.v_loaded.at[slot])
+
+    @pl.when(i != last_tile)
+    def _(cols=cols, vs=vs):
+      for src, rows in copies(refs.v, kv_head, cols):
+        plgpu.copy_gmem_to_smem(src, vs.at[slot].at[rows], scratch.v_loaded.at[slot])
+
+
+def load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8):
+  """TMA of a contiguous V tile at row `start`, in two copies per 64 columns: when the
+  tile's last 8 rows are the last key's group, they come from ``v_tail``, whose rows past
+  that key are zeros (0 * NaN is NaN). When the batch's keys end before the last group of
+  the tile at row 0 (every tile is that one), the whole tile comes from ``v_tail``."""
+  block_kv = spec.block_kv
+  head_tile = (start == 0) & (tail8 < block_kv // 8 - 1)
+  for c, (vs, _) in enumerate(scratch.v):
+    cols = pl.ds(c * L.CHUNK, L.CHUNK)
+    tail = lambda rows, cols=cols: refs.v_tail.at[rows, kv_head, cols]  # noqa: E731
+
+    @pl.when(head_tile)
+    def _(vs=vs, tail=tail):
+      for rows in (pl.ds(0, block_kv - 8), pl.ds(block_kv - 8, 8)):
+        plgpu.copy_gmem_to_smem(tail(rows), vs.at[slot].at[rows], scratch.v_loaded.at[slot])
+
+    @pl.when(jnp.logical_not(head_tile))
+    def _(vs=vs, tail=tail, cols=cols):
+      primitives.load_rows(lambda rows: refs.v.at[rows, kv_head, cols],
+                           tail(pl.ds(block_kv - 8, 8)), block_kv, start, vs.at[slot],
+                           scratch.v_loaded.at[slot], tail_group=tail8)

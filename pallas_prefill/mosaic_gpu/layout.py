@@ -1,0 +1,52 @@
+"""The Mosaic GPU kernel's data layout: the per-item table's columns, the scalar operand's
+lanes and the constants that the work list, its GPU builder, the schedule and the kernel
+share. Row numbers the kernel passes to TMA are stored divided by 8: multiplying them back
+proves to Mosaic GPU that they are multiples of 8, which TMA into 8-row-tiled shared memory
+requires.
+"""
+
+from jax import lax
+
+SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
+COMPUTE_WGS = 2  # compute warpgroups per program, each with block_q query rows
+CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
+
+# Columns of the per-item table (``work_list.work_list``) the kernel reads.
+(Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW8, KV_LAST8, T_LO, T_HI) = range(9)
+WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
+META_COLS = WG_COLS + 4 * COMPUTE_WGS
+SEQ = META_COLS  # paged (``page_tiles``) only: the item's sequence, its block table row
+# ``KV_LAST8`` of items whose KV tiles are never shifted back (a paged cache's tiles lie
+# inside pages): larger than any tile's row / 8.
+NO_SHIFT = 2**27
+
+# The kernel's scalar operand: the items to run (those that store rows), the 8-row group
+# of the batch's last key (the one that comes from ``v_tail``), the order of the units
+# (1: K/V-head-major, ``schedule.head_major_order``) and the end of the last sequence's
+# keys (``work_items``). With dynamic scheduling, the lane the programs claim units from
+# (``primitives.claim``): 0 before the call, one more per claim; and the lane that says
+# whether the programs take the units the static zigzag deals them instead
+# (``schedule.dynamic_schedule``). The operand has ``SCALAR_LANES`` lanes or more.
+S_LIVE, S_TAIL8, S_HEAD_MAJOR, S_KV_TAIL, S_NEXT, S_DEAL = range(6)
+SCALAR_LANES = 8
+
+# Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;
+# smaller pages are gathered into contiguous K/V first (``operands.gathered_pages``).
+MIN_NATIVE_PAGE = 64
+
+
+def floor8(x):
+  return lax.div(x, 8) * 8  # x >= 0
+
+
+def column_chunks(parts):
+  """The (part, first column) of each 64-column chunk of the logit parts: Q and K live in
+  shared memory as one buffer per chunk, which TMA fills from any row (``kernel``)."""
+  return [(part, col) for part in parts for col in range(0, part.width, CHUNK)]
+
+
+def tile_pages(block_kv: int, page_size: int) -> int:
+  """How many pages a native paged KV tile of block_kv rows reads: block_kv // page_size
+  where the tile is larger (``MosaicOptions.tile_spans_pages``), else one (the tile lies
+  inside a page: both are powers of two)."""
+  return max(1, block_kv // page_size)

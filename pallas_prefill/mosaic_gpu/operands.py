@@ -1,0 +1,131 @@
+"""The work before the Mosaic GPU kernel: its operands from the entry points' arrays.
+
+The work list and scalars (``work_items``' kernel, or XLA's ``work_list`` with the LSE);
+``v_tail``, the V rows of the tile that ends with the 8-row group of the batch's last key
+with the rows past that key zeroed (rows past the last key may hold anything, NaN
+included, and 0 * NaN would poison P.V), or for a paged cache each sequence's last V tile;
+small pages gathered into contiguous K/V. Q, K and V themselves are passed as they are
+(only arrays shorter than one tile are padded to one).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_prefill.config import MosaicConfig
+from pallas_prefill.mosaic_gpu import layout as L
+from pallas_prefill.mosaic_gpu import schedule
+from pallas_prefill.mosaic_gpu import work_items
+from pallas_prefill.mosaic_gpu.work_list import num_work_items, paged_kv_lengths, work_list
+
+
+def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
+  """Paged K/V operands (each [num_pages, page_size, heads, depth]) gathered into
+  contiguous arrays [batch * capacity, heads, depth], capacity = max_pages * page_size:
+  sequence b's keys at rows [b * capacity, b * capacity + kv_len[b]), and every row past
+  them zeroed (stale cache rows may hold NaN, and 0 * NaN would reach P.V). Page ids are
+  clamped to the pages there are, as the Triton kernel does. One XLA gather per operand:
+  the whole block table's capacity is copied, whatever the cache lengths."""
+  num_pages, page_size = pages_ops[0].shape[:2]
+  batch, max_pages = block_table.shape
+  capacity = max_pages * page_size
+  ids = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+  kv_len = paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+  keep = (jnp.arange(capacity, dtype=jnp.int32)[None, :] < kv_len[:, None]).reshape(-1)
+
+  def gather(x):
+    g = x[ids].reshape((batch * capacity,) + x.shape[2:])
+    return jnp.where(keep[:, None, None], g, jnp.zeros((), x.dtype))
+
+  return [gather(x) for x in pages_ops], capacity
+
+
+def padded_rows(rows: int, tile: int) -> int:
+  """The rows an operand of `rows` rows is given to the kernel with: at least one tile.
+  Operands that have them (any longer than a tile) are passed without a copy."""
+  return max(rows, tile)
+
+
+def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
+             config: MosaicConfig, paged_cache=None, block_table=None, interpret=False):
+  """The work before the kernel: its operands (the work list, the scalars, the sink
+  weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
+  slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
+  ``mosaic_gpu.ragged_attention_mgpu``'s; ``interpret`` runs ``work_items``' kernel in Mosaic GPU's
+  interpret mode (to call this on the CPU)."""
+  total_q, num_heads, _ = q_ops[0].shape
+  total_kv = v.shape[0]
+  batch = q_offsets.shape[0] - 1
+  rows = L.COMPUTE_WGS * config.block_q
+  num_items = num_work_items(total_q, batch, config.block_q)
+  if num_heads * num_items * rows >= 2**31:
+    raise ValueError(f"{num_heads} heads x {num_items} work items of {rows} rows overflow "
+                     "the kernel's int32 unit and LSE indices")
+  programs = schedule.num_programs(num_heads * num_items, config)
+  group = num_heads // v.shape[-2]
+  page_tiles = block_table is not None
+  kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
+            paged_cache=paged_cache, page_tiles=page_tiles)
+  tile_bound = work_items.total_kv_tiles_bound(
+      total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
+  options = config.options
+  if options.build_work_list and not return_lse and work_items.fits(num_items, batch,
+                                                                    tile_bound):
+    # One small kernel instead of XLA's ~16 (``work_items``); the LSE's row slots come
+    # from XLA's version.
+    table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
+                                      num_heads=num_heads, group=group,
+                                      num_programs=programs, dynamic=options.dynamic,
+                                      interpret=interpret, **kw)
+    lse_slot, kv_end = None, scalars[L.S_KV_TAIL]
+  else:
+    table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
+                                                **kw)
+    tiles = table[:, L.T_HI] - table[:, L.T_LO]
+    order = dict(num_heads=num_heads, group=group, num_programs=programs)
+    head_major, deal = (schedule.dynamic_schedule(tiles, n_live, **order) if options.dynamic
+                        else (schedule.head_major_order(tiles, n_live, **order), 0))
+    scalars = jnp.zeros((L.SCALAR_LANES,), jnp.int32)  # L.S_NEXT: 0
+    for lane, x in ((L.S_LIVE, n_live), (L.S_TAIL8, -1 if page_tiles else L.floor8(kv_end) // 8),
+                    (L.S_HEAD_MAJOR, head_major), (L.S_DEAL, deal)):
+      scalars = scalars.at[lane].set(jnp.asarray(x, jnp.int32))
+  if options.dynamic and options.head_major is not None:  # the order forced (A/B runs)
+    scalars = scalars.at[L.S_HEAD_MAJOR].set(options.head_major)
+  if options.dynamic and options.deal is not None:  # dealt or claimed forced (A/B runs)
+    scalars = scalars.at[L.S_DEAL].set(options.deal)
+  grow = lambda x, n: x if x.shape[0] == n else jnp.pad(  # noqa: E731
+      x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  q_rows = padded_rows(total_q, config.block_q)
+  if block_table is not None:
+    # The kernel reads the pages: each sequence's last V tile comes from v_last, a copy
+    # with the rows past its keys zeroed, and no key group is special (tail8 = -1).
+    num_pages, page_size = v.shape[:2]
+    cache_lengths, capacity = paged_cache
+    ids = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
+    kv_len = paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+    pos = (jnp.maximum(kv_len - 1, 0) // config.block_kv * config.block_kv)[:, None] + (
+        jnp.arange(config.block_kv, dtype=jnp.int32))
+    page = jnp.take_along_axis(ids, jnp.minimum(pos // page_size, ids.shape[1] - 1), 1)
+    v_last = jnp.where((pos < kv_len[:, None])[..., None, None], v[page, pos % page_size],
+                       jnp.zeros((), v.dtype))
+    inputs = [table, scalars]
+    inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
+    inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
+    return inputs, (lse_slot if return_lse else None), programs
+  # The tile ending with the 8-row group that holds the last key, or the tile at row 0
+  # when that group ends before it does; rows past the last key zeroed.
+  bkv = config.block_kv
+  first = jnp.maximum(L.floor8(kv_end) + 8 - bkv, 0)
+  tail_rows = first + jnp.arange(bkv, dtype=jnp.int32)
+  v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
+                     v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
+  # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output
+  # comes from one, so no operand needs padding beyond a tile's rows.
+  kv_rows = padded_rows(total_kv, config.block_kv)
+  inputs = [table, scalars]
+  inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
+  inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
+  inputs += [grow(v, kv_rows), v_tail]
+  return inputs, (lse_slot if return_lse else None), programs
+
+

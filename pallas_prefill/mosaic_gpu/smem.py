@@ -1,0 +1,161 @@
+"""Shared-memory planning of the Mosaic GPU kernel: its scratch as a named structure
+(``Scratch``, what ``kernel`` allocates) and the bytes that allocation takes, from which
+the output buffers, the fitted default configs and the refusals follow.
+
+Q, K and V live in 64-column buffers (one per ``layout.CHUNK`` columns) that TMA fills
+untiled, from any row of arrays of any row count, and that the matrix products read
+through an (8, 64)-tiled view of the same bytes (a ``plgpu.RefUnion``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_prefill.config import MosaicConfig
+from pallas_prefill.mosaic_gpu import layout as L
+
+# Pallas Mosaic GPU aligns every scratch buffer to this many bytes; a barrier takes 8.
+SMEM_ALIGNMENT = 1024
+BARRIER_BYTES = 8
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
+    "q", "k", "v", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
+    "v_consumed", "unit_ready", "unit_used"])
+@dataclasses.dataclass(frozen=True)
+class Scratch:
+  """The kernel's shared memory and barriers, by name: allocation specs before
+  ``pl.run_scoped``, refs inside it. A "lane" is one K/V stream of ``num_stages`` slots
+  (one, or with split units one per compute warpgroup).
+
+  Attributes:
+    q: per 64-column chunk of the logit parts, [COMPUTE_WGS, block_q, 64] (untiled, tiled).
+    k: per chunk, [lanes * num_stages, block_kv, 64] (untiled, tiled).
+    v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled).
+    o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
+    lse: [COMPUTE_WGS, block_q] float32, or None without the LSE.
+    units: the claimed units' slots [2 * lanes] int32, or None (static deal).
+    q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
+      barriers; unit_ready / unit_used: per unit slot, or None.
+  """
+
+  q: list
+  k: list
+  v: list
+  o: list
+  lse: object
+  units: object
+  q_loaded: object
+  k_loaded: object
+  v_loaded: object
+  k_consumed: object
+  v_consumed: object
+  unit_ready: object
+  unit_used: object
+
+
+def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
+            block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
+            pages: int, paged: bool) -> Scratch:
+  """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
+  chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each."""
+  lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
+  consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
+  slots = lanes * num_stages
+  tiling = plgpu.TilingTransform((8, 64))
+  swizzle = plgpu.SwizzleTransform(128)
+
+  def chunk_buffer(shape):
+    # Two views of one 64-column buffer: untiled, which TMA fills from any row of an
+    # array of any row count, and (8, 64)-tiled, which the matrix products read. At 64
+    # columns (128 swizzled bytes a row) both are the same bytes.
+    return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(swizzle,)),
+                          plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle)))
+
+  barrier = plgpu.Barrier
+  return Scratch(
+      q=[chunk_buffer((L.COMPUTE_WGS, block_q, L.CHUNK)) for _ in range(chunks)],
+      k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
+      v=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(v_chunks)],
+      o=[plgpu.SMEM((L.COMPUTE_WGS, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
+      lse=plgpu.SMEM((L.COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
+      units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
+      q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
+      k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
+      # Contiguous V: two copies per chunk (``primitives.load_rows``); paged: one per chunk
+      # and page.
+      v_loaded=barrier(num_arrivals=(pages if paged else 2) * v_chunks, num_barriers=slots),
+      k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
+      v_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
+      unit_ready=barrier(num_arrivals=1, num_barriers=2 * lanes) if dynamic else None,
+      unit_used=barrier(num_arrivals=consumers, num_barriers=2 * lanes) if dynamic else None,
+  )
+
+
+def allocated_bytes(spec: Scratch) -> int:
+  """The shared memory ``spec`` takes once allocated: each buffer rounded up to
+  ``SMEM_ALIGNMENT``, plus 8 bytes a barrier (as Pallas Mosaic GPU allocates them; the
+  kernel asks for no reduction scratch). ``tests/test_mosaic.py`` checks it against the
+  lowered kernel's dynamic shared memory."""
+  total = 0
+  for leaf in jax.tree.leaves(spec):
+    if isinstance(leaf, plgpu.Barrier):
+      total += BARRIER_BYTES * math.prod(leaf.num_barriers)
+    else:
+      aval = leaf.inner_aval
+      size = aval.size * jnp.dtype(aval.dtype).itemsize
+      total += -(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+  return total
+
+
+def splits(config: MosaicConfig) -> bool:
+  """Whether the kernel runs split units: ``config.split_units``, which needs dynamic
+  scheduling (without it the units are shared)."""
+  return config.split_units and config.options.dynamic
+
+
+def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
+                  out_buffers: int) -> int:
+  return allocated_bytes(scratch(
+      chunks=len(L.column_chunks(parts)), v_chunks=v_depth // L.CHUNK, dtype=dtype,
+      out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
+      block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
+      split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False))
+
+
+def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
+                   config: MosaicConfig) -> int:
+  """The 64-column output buffers per compute warpgroup: one per accumulator, or where
+  shared memory holds no more (MLA's 192 + 128 with 128-row K/V tiles in two stages), one,
+  filled and stored a column chunk at a time."""
+  full = v_depth // L.CHUNK
+  if _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
+                   full) <= L.SMEM_BYTES:
+    return full
+  return 1
+
+
+def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
+  """Shared memory the kernel allocates for these operands and tiles."""
+  return _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
+                       output_buffers(parts, v_depth, dtype, output_dtype, return_lse, config))
+
+
+def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
+           return_lse) -> MosaicConfig:
+  """A default config cut down (stages to 2, then 64-row K/V tiles) until shared memory
+  holds it for these operands (a float32 output takes more of it)."""
+  while smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config) > L.SMEM_BYTES:
+    if config.num_stages > 2:
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    elif config.block_kv > 64:
+      config = dataclasses.replace(config, block_kv=64)
+    else:
+      break
+  return config

@@ -1,0 +1,165 @@
+"""The Mosaic GPU kernel's work list, computed in XLA: one item per pair of query tiles of
+one sequence (``2 * block_q`` rows), heaviest first, plus one pseudo-sequence for the rows
+past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for the
+whole item, and per compute warpgroup: first, first unmasked, end of unmasked, end) are a
+row of a small int32 table (``layout``'s columns), so that the kernel's three warpgroups
+agree on every trip count, zero included. ``work_items`` builds the same table on the GPU.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_prefill.mosaic_gpu import layout as L
+
+
+def q_ranges(q_offsets, total_q):
+  """Each sequence's query rows [q_start, q_end): offsets clamped to [0, total_q] and
+  chained (sequence b's start where b-1's ends), whatever the offsets hold."""
+  q_off = jnp.clip(q_offsets.astype(jnp.int32), 0, total_q)
+  q_end = lax.cummax(q_off[1:])
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), q_end[:-1]]), q_end
+
+
+def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
+  """Each sequence's keys in a paged cache: its cached tokens (clamped to [0, capacity])
+  plus its new rows, at most the block table's ``capacity`` rows (as the Triton kernel
+  reads them)."""
+  q_start, q_end = q_ranges(q_offsets, total_q)
+  cache = jnp.clip(cache_lengths.astype(jnp.int32), 0, capacity)
+  return jnp.minimum(cache + q_end - q_start, capacity)
+
+
+def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
+                 page_tiles):
+  """The per-item table columns up to ``L.META_COLS`` (a list of int32 arrays, one value
+  per item) from each item's sequence (its query start and length, its K/V start and
+  length: zeros for items that run nothing) and first row (absolute, a multiple of 8).
+  Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
+  ``work_items.build`` (a Mosaic GPU kernel) share it."""
+  kv_first = L.floor8(i_kv_start)
+  # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
+  # negative start is no out-of-bounds zero fill but a wild row.
+  kv_last = jnp.maximum(L.floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
+  if page_tiles:
+    kv_last = jnp.full_like(kv_last, L.NO_SHIFT * 8)
+  skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
+  start_pos = i_kv_len - i_q_len
+
+  per_wg = []
+  for g in range(L.COMPUTE_WGS):
+    r0 = jnp.maximum(row + g * block_q - i_q_start, 0)  # within the sequence
+    r1 = jnp.minimum(row + (g + 1) * block_q - i_q_start, i_q_len)
+    q_lo, q_hi = start_pos + r0, start_pos + r1 - 1
+    lo, hi = mask.kv_range(q_lo, q_hi, i_kv_len)
+    f_lo, f_hi = mask.full_range(q_lo, q_hi, i_kv_len)
+    t_lo = (lo + skew) // block_kv
+    t_hi = jnp.maximum((hi + skew + block_kv - 1) // block_kv, t_lo)
+    t_hi = jnp.where((r1 > r0) & (hi > lo), t_hi, t_lo)
+    u_lo = jnp.clip((f_lo + skew + block_kv - 1) // block_kv, t_lo, t_hi)
+    u_hi = jnp.clip((f_hi + skew) // block_kv, u_lo, t_hi)
+    per_wg.append((t_lo, u_lo, u_hi, t_hi))
+  (a0, _, _, b0), (a1, _, _, b1) = per_wg
+  empty0, empty1 = a0 == b0, a1 == b1
+  lo = jnp.where(empty0, a1, jnp.where(empty1, a0, jnp.minimum(a0, a1)))
+  hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
+  lo = jnp.where(empty0 & empty1, 0, lo)
+  hi = jnp.maximum(hi, lo)
+  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
+          lo, hi]
+  for t_lo, u_lo, u_hi, t_hi in per_wg:
+    # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
+    # it the empty range at the item's start so that its loops stay in order.
+    empty = t_lo == t_hi
+    cols += [jnp.where(empty, lo, x) for x in (t_lo, u_lo, u_hi, t_hi)]
+  return cols
+
+
+def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv,
+              paged_cache=None, page_tiles=False):
+  """The per-item table [num_items, L.META_COLS] int32; each output row's column in the
+  per-item LSE buffer; the end of the last sequence's keys; and the number of items that
+  store rows (the kernel runs those: they come first, heaviest first, and the rest of
+  the table, whose items store nothing, after them).
+
+  Offsets are clamped and chained (sequence b's queries start where b-1's end), so any
+  offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
+  Items start at multiples of 8 rows: a sequence's first item starts at its first row
+  rounded down, and the rows before it (its neighbour's) are computed and not stored.
+  KV tile i of a sequence starts at its first key rounded down to 8 plus i * block_kv,
+  except that no tile starts after ``max(ceil8(kv_end) - block_kv, 0)``: the last tile
+  ends in the 8-row group of the last key (or, when all keys lie in the first block_kv
+  rows, at row block_kv).
+
+  paged_cache: (cache_lengths, capacity) for K/V that ``operands.gathered_pages`` gathered from a
+  paged cache: sequence b's keys are then rows [b * capacity, b * capacity + kv_len).
+  With ``page_tiles`` the kernel reads the pages themselves instead: every sequence's
+  keys are positions [0, kv_len) of its own pages, and KV tile i covers positions
+  [i * block_kv, (i + 1) * block_kv), never shifted back (it lies inside one page).
+  """
+  rows = L.COMPUTE_WGS * block_q
+  batch = q_offsets.shape[0] - 1
+  q_start, q_end = q_ranges(q_offsets, total_q)
+  if paged_cache is not None:
+    cache_lengths, capacity = paged_cache
+    kv_start = jnp.arange(batch, dtype=jnp.int32) * (0 if page_tiles else capacity)
+    kv_end = kv_start + paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
+  elif kv_offsets is None:
+    kv_start, kv_end = q_start, q_end
+  else:
+    kv_off = jnp.clip(kv_offsets.astype(jnp.int32), 0, total_kv)
+    kv_start = kv_off[:-1]
+    kv_end = jnp.maximum(kv_off[1:], kv_start)
+  kv_tail = kv_end[-1]
+  # The rows past offsets[-1]: a pseudo-sequence with no keys, stored as zeros.
+  q_start = jnp.concatenate([q_start, q_end[-1:]])
+  q_end = jnp.concatenate([q_end, jnp.full((1,), total_q, jnp.int32)])
+  kv_start = jnp.concatenate([kv_start, jnp.zeros((1,), jnp.int32)])
+  kv_end = jnp.concatenate([kv_end, jnp.zeros((1,), jnp.int32)])
+  q_len, kv_len = q_end - q_start, kv_end - kv_start
+  q_first = L.floor8(q_start)
+
+  num_items = num_work_items(total_q, batch, block_q)
+  tiles = jnp.where(q_len > 0, (q_end - q_first + rows - 1) // rows, 0)
+  first = jnp.cumsum(tiles) - tiles
+  item = jnp.arange(num_items, dtype=jnp.int32)
+  # No method="scan" (the default): its loop is an XLA while loop, and on a GPU each of
+  # its trips waits for the host (up to 0.65 ms a call on the H200, BUILD_NOTES.md).
+  seq = jnp.clip(jnp.searchsorted(first + tiles, item, side="right",
+                                  method="scan_unrolled"), 0, batch).astype(
+      jnp.int32)
+  live = item < (first + tiles)[-1]
+  take = lambda x: jnp.where(live, x[seq], 0)  # noqa: E731
+  i_q_start, i_q_len, i_kv_start, i_kv_len = map(take, (q_start, q_len, kv_start, kv_len))
+  row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
+  cols = item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
+                      block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
+  lo, hi = cols[L.T_LO], cols[L.T_HI]
+  if page_tiles:
+    cols.append(jnp.where(live, seq, 0))
+  table = jnp.stack(cols, axis=1).astype(jnp.int32)
+  # Item k stores its rows [max(row, q_start), min(row + rows, q_end)), if any.
+  first_stored = jnp.maximum(row, i_q_start)
+  stores = jnp.minimum(row + rows, i_q_start + i_q_len) > first_stored
+  # Heaviest items first (``schedule.program_unit`` deals them out so that every program gets a
+  # like share of heavy and light ones), the items that store nothing after all others.
+  order = jnp.argsort(jnp.where(stores, -(hi - lo), 1), stable=True)
+  table, first_stored, stores = table[order], first_stored[order], stores[order]
+  # Each output row's LSE slot: column k * rows + (row - the item's first row).
+  t_row = table[:, L.ROW8] * 8
+  key = jnp.where(stores, first_stored, total_q)
+  by_row = jnp.argsort(key, stable=True)
+  r = jnp.arange(total_q, dtype=jnp.int32)
+  k = by_row[jnp.clip(jnp.searchsorted(key[by_row], r, side="right", method="scan_unrolled")
+                      - 1, 0, num_items - 1)]
+  return table, k * rows + (r - t_row[k]), kv_tail, jnp.sum(stores, dtype=jnp.int32)
+
+
+def num_work_items(total_q, batch, block_q):
+  """A static bound on the work items: every sequence (and the tail) adds at most one
+  item beyond its share of total_q, plus one for the rows its 8-aligned start adds."""
+  return pl.cdiv(total_q + 8 * (batch + 1), L.COMPUTE_WGS * block_q) + batch + 1
+
+
