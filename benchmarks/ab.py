@@ -1,27 +1,28 @@
-"""A/B runs of the Mosaic GPU backend's module flags: each arm in its own process, in turn.
+"""A/B runs of the Mosaic GPU backend's options: each arm in its own process, in turn.
 
-    python -m benchmarks.ab --arm NAME FLAG=VALUE [FLAG=VALUE ...] --arm NAME ... \\
+    python -m benchmarks.ab --arm NAME [OPTION=VALUE ...] --arm NAME ... \\
         [--rounds 2] [--out DIR] [-- HARNESS ARGS]
 
 For example, dynamic scheduling against the static deal on MHA's equal prompts:
 
-    python -m benchmarks.ab --arm dynamic DYNAMIC=True --arm static DYNAMIC=False \\
+    python -m benchmarks.ab --arm dynamic dynamic=True --arm static dynamic=False \\
         --out $OUT -- --kernels mha --workloads equal4x4096
 
-The flags are ``pallas_prefill.mosaic``'s module constants (``DYNAMIC``, ``FOLD_SCALE``,
-``BUILD_WORK_LIST``, ...), values Python literals. A jitted call's trace does not key on
-them, so each arm needs a process of its own (``python -m benchmarks.run`` with the flags
-set first). The arms run in turn, ``--rounds`` times (A B A B ...), so that a machine
-that warms up over the run does not favour the later arm. The harness arguments after
-``--`` go to every arm (default: our Mosaic GPU system alone). Each arm's rows land in
-DIR/NAME-rROUND/; DIR/ab.json holds the medians over rounds; prints a table of them and
-of each arm's ratio to the first.
+The options are those of ``benchmarks.run --mosaic-options`` (``systems.parse_mosaic_options``:
+fields of ``pallas_prefill.MosaicOptions`` and ``split_units``, ``block_kv``, ``num_stages``,
+``num_programs`` of ``MosaicConfig``, values Python literals); an arm without any runs the
+default call (``config=None``). They are part of the jit key, so arms could share a process;
+each runs in one of its own all the same (``python -m benchmarks.run --mosaic-options
+...``), so that every arm starts as a harness run does. The arms run in turn, ``--rounds``
+times (A B A B ...), so that a machine that warms up over the run does not favour the later
+arm. The harness arguments after ``--`` go to every arm (default: our Mosaic GPU system
+alone). Each arm's rows land in DIR/NAME-rROUND/; DIR/ab.json holds each arm's options and
+the medians over rounds; prints a table of them and of each arm's ratio to the first.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import statistics
@@ -29,47 +30,21 @@ import subprocess
 import sys
 
 from benchmarks import run
-from pallas_prefill import mosaic
+from benchmarks import systems as sy
 
-# The child process: the flags (JSON) first, then the harness's arguments.
-_CHILD = ("import json, sys; from benchmarks import ab, run; "
-          "ab.apply_flags(json.loads(sys.argv[1])); sys.exit(run.main(sys.argv[2:]))")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def apply_flags(flags) -> None:
-  """Sets ``pallas_prefill.mosaic``'s constants to ``flags`` ({"NAME": value}, as
-  ``parse_flags`` gives) and says so. Before the first trace: a jitted call's trace does
-  not key on them."""
-  for name, value in flags.items():
-    setattr(mosaic, name, value)
-  print("mosaic flags set:", {name: getattr(mosaic, name) for name in flags}, flush=True)
-
-
-def parse_flags(settings):
-  """{"NAME": value} from ["NAME=VALUE", ...]: upper-case constants that
-  ``pallas_prefill.mosaic`` has, values Python literals of the constant's type (any
-  literal for a constant that is None, such as ``DYNAMIC_HEAD_MAJOR``)."""
-  flags = {}
-  for setting in settings:
-    name, sep, text = setting.partition("=")
-    if not sep or not name.isupper() or not hasattr(mosaic, name):
-      raise ValueError(f"{setting!r} is not FLAG=VALUE for a constant of "
-                       "pallas_prefill.mosaic (e.g. DYNAMIC=False)")
-    value = ast.literal_eval(text)
-    current = getattr(mosaic, name)
-    if current is not None and type(value) is not type(current):
-      raise ValueError(f"{name} is a {type(current).__name__}, got {text!r}")
-    flags[name] = value
-  return flags
-
-
-def run_arm(flags, harness_args, out) -> None:
-  """One arm's harness run in its own process (replaced in the tests)."""
+def run_arm(options, harness_args, out) -> None:
+  """One arm's harness run in its own process, with ``options`` ({"name": value}, as
+  ``systems.parse_mosaic_options`` gives them) as its ``--mosaic-options`` (replaced in the
+  tests)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-  subprocess.run([sys.executable, "-c", _CHILD, json.dumps(flags), *harness_args,
-                  "--out", out], env=env, check=True)
+  settings = [f"{name}={value!r}" for name, value in options.items()]
+  subprocess.run([sys.executable, "-m", "benchmarks.run", *harness_args,
+                  *(["--mosaic-options", *settings] if settings else []), "--out", out],
+                 env=env, check=True)
 
 
 def medians(arms, rounds, out):
@@ -97,25 +72,26 @@ def main(argv=None):
     argv, harness_args = argv[:cut], argv[cut + 1:]
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--arm", nargs="+", action="append", required=True,
-                      metavar="NAME FLAG=VALUE", help="an arm's name and its flags")
+                      metavar="NAME OPTION=VALUE", help="an arm's name and its options")
   parser.add_argument("--rounds", type=int, default=2, help="A B A B ... this many times")
   parser.add_argument("--out", default="ab-out", help="folder for the results")
   args = parser.parse_args(argv)
-  if "--out" in harness_args:
-    parser.error("give --out before the --, not to the harness")
+  for option in ("--out", "--mosaic-options"):
+    if option in harness_args:
+      parser.error(f"{option} is ab's (or its arms'), not the harness's: give it before --")
   arms = {}
   for name, *settings in args.arm:
     if name in arms or "=" in name:
       parser.error(f"arm names must be unique and come first: {name!r}")
     try:
-      arms[name] = parse_flags(settings)
-    except (ValueError, SyntaxError) as e:
-      parser.error(str(e))
+      arms[name] = sy.parse_mosaic_options(settings)
+    except ValueError as e:
+      parser.error(f"arm {name}: {e}")
   os.makedirs(args.out, exist_ok=True)
   for r in range(args.rounds):
-    for name, flags in arms.items():
-      print(f"== round {r}, arm {name}: {flags}", flush=True)
-      run_arm(flags, harness_args, os.path.join(args.out, f"{name}-r{r}"))
+    for name, options in arms.items():
+      print(f"== round {r}, arm {name}: {options}", flush=True)
+      run_arm(options, harness_args, os.path.join(args.out, f"{name}-r{r}"))
   first, rest = list(arms)[0], list(arms)[1:]
 
   def cell(arm):

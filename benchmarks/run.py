@@ -1,7 +1,8 @@
 """The benchmark harness: pallas_prefill beside every alternative the machine has.
 
     python -m benchmarks.run [--kernels mha mla] [--workloads NAME ...]
-        [--systems NAME ...] [--rounds N] [--rest SECONDS] [--out DIR]
+        [--systems NAME ...] [--rounds N] [--rest SECONDS]
+        [--mosaic-options NAME=VALUE ...] [--out DIR]
 
 In one process and one run: for each kernel and workload (benchmarks/workloads.py), every
 system (benchmarks/systems.py) that can serve it is timed (median per call of 5 rounds of
@@ -14,6 +15,11 @@ each after ``--rest`` seconds with the GPU idle, and a row's time is the median 
 rounds (``ms_rounds`` lists them): the H200's power state moves a single measurement by
 10-15 % (BUILD_NOTES.md), so that systems within that of each other need rounds to be
 told apart.
+``--mosaic-options`` (``dynamic=False``, ``block_kv=64``, ...: fields of
+``pallas_prefill.MosaicOptions`` and ``split_units``, ``block_kv``, ``num_stages``,
+``num_programs`` of ``MosaicConfig``, values Python literals) set the config of our Mosaic
+GPU system (``systems.mosaic_config``); without them it passes ``config=None``, as a user's
+call does. ``benchmarks.ab`` runs its arms this way.
 Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, when
 matplotlib is importable, DIR/results.png.
 """
@@ -88,7 +94,8 @@ def commit() -> str:
     return "unknown"
 
 
-def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0):
+def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0,
+             mosaic_options=None):
   problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
   ref = sy.reference(problems[0])
   flops = sy.useful_flops(problems[0])
@@ -97,7 +104,7 @@ def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0):
     progress[0] += 1
     tag = f"[{progress[0]}/{progress[1]}] {kind} {workload.name:22s} {name:26s}"
     try:
-      prepared = sy.SYSTEMS[name](problems)
+      prepared = sy.prepare(name, problems, mosaic_options)
       out = prepared.to_packed(prepared.fn(*prepared.arg_sets[0]))
       err = rel_err(out, ref)
       bench = bench_torch if prepared.timer == "torch" else bench_jax
@@ -203,22 +210,32 @@ def main(argv=None):
                       help="time each workload's systems this many times, in turns")
   parser.add_argument("--rest", type=float, default=0.0,
                       help="seconds the GPU rests before each timing")
+  parser.add_argument("--mosaic-options", nargs="+", default=[], metavar="NAME=VALUE",
+                      help="MosaicOptions or MosaicConfig fields for the Mosaic GPU system")
   parser.add_argument("--out", default="bench-out", help="folder for the results")
   args = parser.parse_args(argv)
   if args.rounds < 1 or args.rest < 0:
     parser.error("--rounds must be >= 1 and --rest >= 0")
+  try:
+    mosaic_options = sy.parse_mosaic_options(args.mosaic_options)
+  except ValueError as e:
+    parser.error(f"--mosaic-options: {e}")
+  if mosaic_options and not set(sy.MOSAIC_SYSTEMS) & set(args.systems):
+    print(f"note: --mosaic-options apply to {', '.join(sy.MOSAIC_SYSTEMS)}, not timed here",
+          flush=True)
   os.makedirs(args.out, exist_ok=True)
   device = jax.devices()[0]
   meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit(), jax=jax.__version__,
               gpu=device.device_kind if device.platform == "gpu" else None,
               backend=jax.default_backend(), matmul_tflops=matmul_tflops(),
-              rounds=args.rounds, rest_s=args.rest)
+              rounds=args.rounds, rest_s=args.rest, mosaic_options=mosaic_options)
   print(meta, flush=True)
   cases = [(k, wl.WORKLOADS[n]) for k in args.kernels for n in args.workloads
            if k in wl.WORKLOADS[n].kernels]
   rows, progress = [], [0, len(cases) * len(args.systems)]
   for kind, workload in cases:
-    run_case(kind, workload, args.systems, rows, progress, args.rounds, args.rest)
+    run_case(kind, workload, args.systems, rows, progress, args.rounds, args.rest,
+             mosaic_options)
     save(args.out, meta, rows)  # after every workload: a run cut short keeps its rows
   print("\n" + save(args.out, meta, rows))
   chart(rows, os.path.join(args.out, "results.png"))

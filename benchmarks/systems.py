@@ -4,6 +4,8 @@ Each system prepares, from the packed problem (``make_problem``), a callable, it
 input sets, and a function turning its output back into the packed [total_q, heads, d_v]
 layout for the correctness check. A system that cannot serve a workload (no GPU, torch or
 tokamax missing, a mask or a cached prefix it does not support) raises ``Unavailable``.
+``prepare`` hands the Mosaic GPU system the options of an A/B run (``--mosaic-options``,
+``parse_mosaic_options``), which become the ``MosaicConfig`` it passes.
 
 Every system here ran on the H200 on 2026-11-29 (benchmarks/results/h200.json); tokamax
 needs its wheels carried there (BUILD_NOTES.md).
@@ -11,6 +13,7 @@ needs its wheels carried there (BUILD_NOTES.md).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.machinery
 import importlib.util
@@ -24,6 +27,7 @@ import numpy as np
 
 import pallas_prefill as pp
 from benchmarks import workloads as wl
+from pallas_prefill import config as config_lib
 from pallas_prefill import masks
 
 MHA_SHAPE = dict(heads=32, kv_heads=8, qk=128, v=128)  # GQA 32/8, head dim 128
@@ -128,7 +132,58 @@ class Prepared:
 # pallas_prefill
 
 
-def _pallas(problems, *, paged, backend="triton"):
+# The MosaicConfig fields that --mosaic-options may set beside MosaicOptions' own.
+MOSAIC_CONFIG_FIELDS = ("split_units", "block_kv", "num_stages", "num_programs")
+
+
+def _split_mosaic_options(options):
+  """(MosaicConfig fields, MosaicOptions) of parsed ``options``; the dataclasses' own checks
+  raise ValueError for a value of the wrong type or range."""
+  config_fields = {k: v for k, v in options.items() if k in MOSAIC_CONFIG_FIELDS}
+  pp.MosaicConfig(**config_fields)  # each field checked against the defaults of the others
+  return config_fields, pp.MosaicOptions(
+      **{k: v for k, v in options.items() if k not in MOSAIC_CONFIG_FIELDS})
+
+
+def parse_mosaic_options(settings) -> dict:
+  """{"name": value} from ["name=VALUE", ...]: ``--mosaic-options`` of benchmarks.run and
+  benchmarks.profile, and the settings of benchmarks.ab's arms (one parser for all three).
+
+  Names are fields of ``pp.MosaicOptions`` (``dynamic``, ``head_major``, ...) or the
+  ``MosaicConfig`` fields in ``MOSAIC_CONFIG_FIELDS``; values are Python literals. Raises
+  ValueError for a setting without "=", an unknown name, a value that is not a literal, and
+  a value the dataclasses refuse (``dynamic=1``: not a bool; ``block_kv=32``).
+  """
+  names = [f.name for f in dataclasses.fields(pp.MosaicOptions)] + list(MOSAIC_CONFIG_FIELDS)
+  options = {}
+  for setting in settings:
+    name, sep, text = setting.partition("=")
+    if not sep or name not in names:
+      raise ValueError(f"{setting!r} is not NAME=VALUE with NAME one of {', '.join(names)}")
+    try:
+      options[name] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      raise ValueError(f"{setting!r}: {text!r} is not a Python literal") from None
+  _split_mosaic_options(options)
+  return options
+
+
+def mosaic_config(options, problem: Problem) -> pp.MosaicConfig | None:
+  """The config the Mosaic GPU system passes for ``options`` (``parse_mosaic_options``):
+  None, the entry point's own default, when there are none; else the default for the call
+  (``default_mosaic_config`` of q's and V's depths, dtype, mask and longest prompt; the
+  harness's depths are powers of two, so q's is its padded one: MLA's 128 + 64 = 192) with
+  the given fields replaced."""
+  if not options:
+    return None
+  config_fields, mosaic_options = _split_mosaic_options(options)
+  w = problem.workload
+  base = config_lib.default_mosaic_config(problem.q.shape[-1], problem.kv[-1].shape[-1],
+                                          problem.q.dtype, w.mask, w.max_len)
+  return dataclasses.replace(base, **config_fields, options=mosaic_options)
+
+
+def _pallas(problems, *, paged, backend="triton", config=None):
   p0 = problems[0]
   kernel = pp.mha_prefill if p0.kind == "mha" else pp.mla_prefill
   if paged and p0.paged is None:
@@ -138,7 +193,7 @@ def _pallas(problems, *, paged, backend="triton"):
   @jax.jit
   def fn(q, kv, q_off, kv_off):
     return kernel(q, *kv, q_off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len,
-                  mask=w.mask, backend=backend)
+                  mask=w.mask, backend=backend, config=config)
 
   args = [(p.q, p.paged if paged else p.kv, p.q_offsets, None if paged else p.kv_offsets)
           for p in problems]
@@ -150,10 +205,11 @@ def pallas_prefill(problems):
   return _pallas(problems, paged=problems[0].paged is not None)
 
 
-def pallas_prefill_mosaic(problems):
+def pallas_prefill_mosaic(problems, mosaic_options=None):
   """Ours, backend="mosaic_gpu" (Hopper): packed K/V, or on the paged cache when the
-  workload has one."""
-  return _pallas(problems, paged=problems[0].paged is not None, backend="mosaic_gpu")
+  workload has one; with ``mosaic_options`` (``parse_mosaic_options``) their config."""
+  return _pallas(problems, paged=problems[0].paged is not None, backend="mosaic_gpu",
+                 config=mosaic_config(mosaic_options, problems[0]))
 
 
 def pallas_prefill_contiguous(problems):
@@ -423,6 +479,9 @@ def torch_flex(problems):
 BACKENDS = {"pallas_prefill": "triton", "pallas_prefill_mosaic": "mosaic_gpu",
             "pallas_prefill_contiguous": "triton"}
 
+# The systems that take --mosaic-options: those that run our Mosaic GPU backend.
+MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu")
+
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,
     "pallas_prefill_mosaic": pallas_prefill_mosaic,
@@ -436,3 +495,11 @@ SYSTEMS = {
     "torch_sdpa_cudnn": torch_sdpa_cudnn,
     "torch_flex": torch_flex,
 }
+
+
+def prepare(name, problems, mosaic_options=None) -> Prepared:
+  """System ``name`` prepared for ``problems``; ``mosaic_options`` go to the systems that
+  run the Mosaic GPU backend (``MOSAIC_SYSTEMS``) and to no other."""
+  if name in MOSAIC_SYSTEMS:
+    return SYSTEMS[name](problems, mosaic_options=mosaic_options)
+  return SYSTEMS[name](problems)

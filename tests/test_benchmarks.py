@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks import run, systems as sy, workloads as wl
 import pallas_prefill as pp
-from pallas_prefill import masks, mosaic
+from pallas_prefill import config as config_lib
+from pallas_prefill import masks
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,mask,pairs", [
@@ -167,39 +168,88 @@ def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
   assert layers.count_kernels(hlo) == 2
 
 
+def _fake_kernel(monkeypatch, seen):
+  """``pp.mha_prefill`` replaced by the reference, recording each call's backend and config:
+  what our systems would run, on the CPU, where the Mosaic GPU backend cannot."""
+  def kernel(*args, backend, config, **kwargs):
+    seen.append((backend, config))
+    return pp.reference.mha_prefill_reference(*args, **kwargs)
+
+  monkeypatch.setattr(pp, "mha_prefill", kernel)
+
+
+def test_harness_passes_mosaic_options_to_the_mosaic_system_only(monkeypatch, tmp_path):
+  """``--mosaic-options``: the Mosaic GPU system passes the call's default config with the
+  given MosaicConfig fields and MosaicOptions; the Triton system passes none; the options
+  are in the results' meta. Without them, config=None."""
+  seen = []
+  _fake_kernel(monkeypatch, seen)
+  run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_mosaic",
+            "pallas_prefill", "--mosaic-options", "dynamic=False", "block_kv=64",
+            "head_major=1", "--out", str(tmp_path)])
+  w = wl.WORKLOADS["tiny"]
+  default = config_lib.default_mosaic_config(128, 128, "bfloat16", w.mask, w.max_len)
+  assert default.block_kv == 128  # so that block_kv=64 is seen to change it
+  expected = pp.MosaicConfig(block_kv=64, num_stages=default.num_stages,
+                             options=pp.MosaicOptions(dynamic=False, head_major=1))
+  assert set(seen) == {("mosaic_gpu", expected), ("triton", None)}
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["meta"]["mosaic_options"] == {"dynamic": False, "block_kv": 64,
+                                               "head_major": 1}
+  assert all(r["correct"] for r in results["rows"]) and len(results["rows"]) == 2
+  seen.clear()
+  run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_mosaic",
+            "--out", str(tmp_path)])
+  assert set(seen) == {("mosaic_gpu", None)}
+
+
+def test_mosaic_options_parse_literals_and_refuse_what_is_not_an_option():
+  assert sy.parse_mosaic_options(["split_units=True", "num_programs=None", "deal=0"]) == {
+      "split_units": True, "num_programs": None, "deal": 0}
+  assert sy.parse_mosaic_options([]) == {}
+  for setting, says in [("NOPE=1", "NAME one of dynamic"), ("DYNAMIC=False", "NAME one of"),
+                        ("dynamic", "NAME=VALUE"), ("dynamic=maybe", "not a Python literal"),
+                        ("dynamic=1", "must be a bool"), ("head_major=True", "None, 0 or 1"),
+                        ("block_kv=32", "64 or 128"), ("num_stages=1", ">= 2")]:
+    with pytest.raises(ValueError, match=says):
+      sy.parse_mosaic_options([setting])
+
+
 def test_profile_runs_one_call(monkeypatch, capsys):
-  """benchmarks.profile prepares a harness system and calls it (on the CPU, with no CUDA
-  runtime to start a profiler, unprofiled, and it says so)."""
+  """benchmarks.profile prepares a harness system with its options and calls it (on the
+  CPU, with no CUDA runtime to start a profiler, unprofiled, and it says so)."""
   from benchmarks import profile
 
-  calls = []
-  real = profile.sy.SYSTEMS["pallas_prefill"]
+  seen, calls = [], []
+  _fake_kernel(monkeypatch, seen)
+  real = sy.SYSTEMS["pallas_prefill_mosaic"]
 
-  def counted(problems):
-    prepared = real(problems)
+  def counted(problems, mosaic_options=None):
+    prepared = real(problems, mosaic_options)
     fn = prepared.fn
     prepared.fn = lambda *a: calls.append(1) or fn(*a)
     return prepared
 
-  monkeypatch.setitem(profile.sy.SYSTEMS, "pallas_prefill", counted)
+  monkeypatch.setitem(sy.SYSTEMS, "pallas_prefill_mosaic", counted)
   monkeypatch.setattr(profile, "_cudart", lambda: None)
-  monkeypatch.setattr(mosaic, "DYNAMIC", True)  # restored after the test
-  profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill",
-                "--flag", "DYNAMIC=False"])
+  profile.main(["--kernel", "mha", "--workload", "tiny", "--system", "pallas_prefill_mosaic",
+                "--mosaic-options", "dynamic=False"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
-  assert "unprofiled) one call: mha tiny pallas_prefill" in capsys.readouterr().out
-  assert mosaic.DYNAMIC is False
-  with pytest.raises(SystemExit):  # not a constant of pallas_prefill.mosaic
-    profile.main(["--flag", "NO_SUCH_FLAG=1"])
+  [(backend, config)] = seen  # traced once
+  assert backend == "mosaic_gpu" and config.options == pp.MosaicOptions(dynamic=False)
+  assert ("unprofiled) one call: mha tiny pallas_prefill_mosaic {'dynamic': False}"
+          in capsys.readouterr().out)
+  with pytest.raises(SystemExit):  # not an option
+    profile.main(["--mosaic-options", "DYNAMIC=False"])
 
 
 def test_ab_runs_the_arms_in_turn_and_takes_medians(monkeypatch, tmp_path, capsys):
   from benchmarks import ab  # pylint: disable=g-import-not-at-top
   calls = []
 
-  def fake_arm(flags, harness_args, out):
-    calls.append((dict(flags), os.path.basename(out)))
-    tflops = {True: [100.0, 110.0, 300.0], False: [50.0, 70.0, 1.0]}[flags["DYNAMIC"]]
+  def fake_arm(options, harness_args, out):
+    calls.append((dict(options), os.path.basename(out)))
+    tflops = {True: [100.0, 110.0, 300.0], False: [50.0, 70.0, 1.0]}[options["dynamic"]]
     os.makedirs(out)
     with open(os.path.join(out, "results.json"), "w") as f:
       json.dump(dict(meta={}, rows=[dict(kernel="mha", workload="tiny", system=s,
@@ -207,35 +257,44 @@ def test_ab_runs_the_arms_in_turn_and_takes_medians(monkeypatch, tmp_path, capsy
                                     for s in harness_args[1:]]), f)
 
   monkeypatch.setattr(ab, "run_arm", fake_arm)
-  ab.main(["--arm", "dyn", "DYNAMIC=True", "FOLD_SCALE=False", "--arm", "static",
-           "DYNAMIC=False", "--rounds", "3", "--out", str(tmp_path), "--", "--systems",
+  ab.main(["--arm", "dyn", "dynamic=True", "fold_scale=False", "--arm", "static",
+           "dynamic=False", "--rounds", "3", "--out", str(tmp_path), "--", "--systems",
            "pallas_prefill_mosaic"])
   assert [name for _, name in calls] == ["dyn-r0", "static-r0", "dyn-r1", "static-r1",
                                           "dyn-r2", "static-r2"]
-  assert calls[0][0] == {"DYNAMIC": True, "FOLD_SCALE": False}
+  assert calls[0][0] == {"dynamic": True, "fold_scale": False}
   assert "| mha | tiny | pallas_prefill_mosaic | 110.0 | 50.0 | 0.455 |" in (
       capsys.readouterr().out)
-  [row] = json.loads((tmp_path / "ab.json").read_text())["rows"]
+  results = json.loads((tmp_path / "ab.json").read_text())
+  assert results["arms"] == {"dyn": {"dynamic": True, "fold_scale": False},
+                             "static": {"dynamic": False}}
+  [row] = results["rows"]
   assert row["tflops"] == {"dyn": 110.0, "static": 50.0}
   assert row["correct"] == {"dyn": True, "static": True}
 
 
-@pytest.mark.parametrize("setting", ["NOPE=1", "DYNAMIC=1", "DYNAMIC", "dynamic=True",
-                                     "DYNAMIC=maybe"])
-def test_ab_refuses_what_is_not_a_flag(setting):
+@pytest.mark.parametrize("argv", [
+    ["--arm", "a", "NOPE=1"], ["--arm", "a", "DYNAMIC=False"], ["--arm", "a", "dynamic=1"],
+    ["--arm", "a", "dynamic"], ["--arm", "a", "dynamic=maybe"], ["--arm", "a=1"],
+    ["--arm", "a", "--arm", "a"], ["--arm", "a", "--", "--mosaic-options", "dynamic=False"],
+    ["--arm", "a", "--", "--out", "x"]])
+def test_ab_refuses_what_is_not_an_arm(argv, monkeypatch):
   from benchmarks import ab  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(ab, "run_arm", lambda *_: pytest.fail("an arm ran"))
   with pytest.raises(SystemExit):
-    ab.main(["--arm", "a", setting, "--rounds", "1"])
+    ab.main(argv)
 
 
-def test_ab_child_process_sets_the_flags_and_runs_the_harness(tmp_path, capfd):
-  """One real arm on the CPU: the child sets the flag, then runs the harness (Triton in
-  interpret mode on the tiny workload)."""
+def test_ab_child_process_runs_the_harness_with_the_arms_options(tmp_path):
+  """One real arm on the CPU: the child is the harness with the arm's options (recorded in
+  its results), here on the Triton system in interpret mode on the tiny workload."""
   from benchmarks import ab  # pylint: disable=g-import-not-at-top
-  ab.main(["--arm", "static", "DYNAMIC=False", "--rounds", "1", "--out", str(tmp_path),
-           "--", "--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill"])
-  assert "mosaic flags set: {'DYNAMIC': False}" in capfd.readouterr().out
-  [row] = json.loads((tmp_path / "static-r0" / "results.json").read_text())["rows"]
+  ab.main(["--arm", "static", "dynamic=False", "num_programs=None", "--rounds", "1", "--out",
+           str(tmp_path), "--", "--kernels", "mha", "--workloads", "tiny", "--systems",
+           "pallas_prefill"])
+  results = json.loads((tmp_path / "static-r0" / "results.json").read_text())
+  assert results["meta"]["mosaic_options"] == {"dynamic": False, "num_programs": None}
+  [row] = results["rows"]
   assert row["system"] == "pallas_prefill" and row["correct"]
   assert json.loads((tmp_path / "ab.json").read_text())["arms"] == {
-      "static": {"DYNAMIC": False}}
+      "static": {"dynamic": False, "num_programs": None}}
