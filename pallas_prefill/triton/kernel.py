@@ -64,6 +64,44 @@ def _zero_rows(o_ref, lse_ref, h, first, end, stride, block):
   lax.fori_loop(0, trips, body, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """One program's view of its sequence: its refs, its query head h (K/V head kv_head),
+  its query rows [q_start, q_start + q_len) and their first position start_pos, and its
+  keys (kv_len of them, from row kv_start, or in the pages of block table row b)."""
+
+  q_refs: list
+  k_refs: list
+  v_ref: object
+  o_ref: object
+  lse_ref: object
+  sink_ref: object
+  table_ref: object
+  h: object
+  kv_head: object
+  b: object
+  q_start: object
+  q_len: object
+  kv_start: object
+  kv_len: object
+  start_pos: object
+
+  def page_of(self, j, block_kv):
+    """The page holding KV tile j (block_kv divides page_size: one page per tile)."""
+    num_pages, page_size = self.v_ref.shape[:2]
+    max_pages = self.table_ref.shape[1]
+    slot = jnp.clip(lax.div(j * block_kv, page_size), 0, max_pages - 1)
+    return jnp.clip(self.table_ref[self.b, slot].astype(jnp.int32), 0, num_pages - 1)
+
+  def kv_tile(self, j, page, block_kv):
+    """The K/V tile j of this sequence (in `page` when paged): (ref, head, cols) -> view."""
+    if self.table_ref is None:
+      kv_row0 = self.kv_start + j * block_kv
+      return lambda ref, head, cols: ref.at[pl.ds(kv_row0, block_kv), head, cols]
+    row = lax.rem(j * block_kv, self.v_ref.shape[1])
+    return lambda ref, head, cols: ref.at[page, pl.ds(row, block_kv), head, cols]
+
+
 def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
             block_q, block_kv, num_tiles, group):
   refs = list(refs)
@@ -91,107 +129,20 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
     kv_start, kv_end = _read_range(kv_off_ref, b, total_kv, force_zero_start=False)
     kv_len = kv_end - kv_start
   elif kv_layout == "paged":
-    num_pages, page_size = v_ref.shape[:2]
-    max_pages = table_ref.shape[1]
-    capacity = max_pages * page_size
+    capacity = table_ref.shape[1] * v_ref.shape[1]
     cache_len = jnp.clip(cache_ref[b].astype(jnp.int32), 0, capacity)
     kv_start, kv_len = None, jnp.minimum(cache_len + q_len, capacity)
   else:
     kv_start, kv_len = q_start, q_len
-  start_pos = kv_len - q_len
-
-  def page_of(j):
-    """The page holding KV tile j (block_kv divides page_size: one page per tile)."""
-    slot = jnp.clip(lax.div(j * block_kv, page_size), 0, max_pages - 1)
-    return jnp.clip(table_ref[b, slot].astype(jnp.int32), 0, num_pages - 1)
-
-  def kv_tile(j, page):
-    """The K/V tile j of this sequence (in `page` when paged): (ref, head, cols) -> view."""
-    if kv_layout != "paged":
-      kv_row0 = kv_start + j * block_kv
-      return lambda ref, head, cols: ref.at[pl.ds(kv_row0, block_kv), head, cols]
-    row = lax.rem(j * block_kv, page_size)
-    return lambda ref, head, cols: ref.at[page, pl.ds(row, block_kv), head, cols]
+  program = _Program(q_refs=q_refs, k_refs=k_refs, v_ref=v_ref, o_ref=o_ref, lse_ref=lse_ref,
+                     sink_ref=sink_ref, table_ref=table_ref, h=h, kv_head=kv_head, b=b,
+                     q_start=q_start, q_len=q_len, kv_start=kv_start, kv_len=kv_len,
+                     start_pos=kv_len - q_len)
 
   row0 = tile * block_q
-
-  @pl.when(row0 < q_len)
-  def _attend():
-    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    row_valid = rows < q_len
-    q_pos = start_pos + rows
-    qs = []
-    for part in parts:
-      q_ref = q_refs[part.q_index]
-      qs.append(plt.load(
-          q_ref.at[pl.ds(q_start + row0, block_q), h, pl.ds(part.q_col, part.width)],
-          mask=row_valid[:, None], other=0))
-
-    q_lo = start_pos + row0
-    q_hi = start_pos + jnp.minimum(row0 + block_q, q_len) - 1
-    lo, hi = mask.kv_range(q_lo, q_hi, kv_len)
-    full_lo, full_hi = mask.full_range(q_lo, q_hi, kv_len)
-    t_lo = lax.div(lo, block_kv)
-    t_hi = jnp.maximum(lax.div(hi + block_kv - 1, block_kv), t_lo)
-    u_lo = jnp.clip(lax.div(full_lo + block_kv - 1, block_kv), t_lo, t_hi)
-    u_hi = jnp.clip(lax.div(full_hi, block_kv), u_lo, t_hi)
-
-    def body(j, carry, *, masked):
-      acc, m_prev, l_prev, page = carry
-      tile_at = kv_tile(j, page)
-      if kv_layout == "paged":
-        # The next tile's block-table entry, read one iteration ahead: a K/V address that
-        # waits on a table read in its own iteration costs MHA 13 to 22 % on the H200.
-        page = page_of(j + 1)
-      cols = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-      kv_valid = cols < kv_len
-      load_mask = kv_valid[:, None] if masked else None
-      s = None
-      for part, q in zip(parts, qs):
-        k_head = jnp.int32(0) if part.shared_k else kv_head
-        k = plt.load(tile_at(k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
-                     mask=load_mask, other=0 if masked else None)
-        term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-        s = term if s is None else s + term
-      s = s * scale
-      if masked:
-        visible = mask.visible(q_pos[:, None], cols[None, :]) & kv_valid[None, :]
-        s = jnp.where(visible, s, MASK_VALUE)
-      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-      alpha = jnp.exp2(m_prev - m_new)
-      p = jnp.exp2(s - m_new[:, None])
-      if masked:
-        p = jnp.where(visible, p, 0.0)
-      l_new = l_prev * alpha + jnp.sum(p, axis=1)
-      v = plt.load(tile_at(v_ref, kv_head, slice(None)),
-                   mask=load_mask, other=0 if masked else None)
-      acc = acc * alpha[:, None] + lax.dot_general(
-          p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32)
-      return acc, m_new, l_new, page
-
-    if has_sink:
-      m0 = jnp.full((block_q,), sink_ref[h].astype(jnp.float32) * LOG2_E, jnp.float32)
-      l0 = jnp.ones((block_q,), jnp.float32)
-    else:
-      m0 = jnp.full((block_q,), MASK_VALUE, jnp.float32)
-      l0 = jnp.zeros((block_q,), jnp.float32)
-    page = page_of(t_lo) if kv_layout == "paged" else jnp.int32(0)
-    carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), m0, l0, page)
-    masked_body = functools.partial(body, masked=True)
-    carry = lax.fori_loop(t_lo, u_lo, masked_body, carry)
-    carry = lax.fori_loop(u_lo, u_hi, functools.partial(body, masked=False), carry)
-    acc, m, l, _ = lax.fori_loop(u_hi, t_hi, masked_body, carry)
-
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    out = acc / l_safe[:, None]
-    plt.store(o_ref.at[pl.ds(q_start + row0, block_q), h, :], out.astype(o_ref.dtype),
-              mask=row_valid[:, None])
-    if has_lse:
-      lse = jnp.where(seen, (m + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
-      plt.store(lse_ref.at[pl.ds(q_start + row0, block_q), h], lse, mask=row_valid)
+  pl.when(row0 < q_len)(functools.partial(
+      _attend, program, row0, parts=parts, mask=mask, scale=scale, block_q=block_q,
+      block_kv=block_kv))
 
   # Rows that no attention program covers get zeros: a sequence's rows past
   # max_prompt_len (only for offsets that break the contract, under jit), and every row
@@ -203,6 +154,93 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
   def _zero_tail():
     tail = jnp.clip(q_off_ref[batch].astype(jnp.int32), 0, total_q)
     _zero_rows(o_ref, lse_ref, h, tail + tile_id * block_q, total_q, stride, block_q)
+
+
+def _attend(p: _Program, row0, *, parts, mask, scale, block_q, block_kv):
+  """Attention for the query rows [row0, row0 + block_q) of the program's sequence: the
+  KV tiles the mask can show, the partial ones masked, then the normalized rows."""
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+  row_valid = rows < p.q_len
+  q_pos = p.start_pos + rows
+  qs = []
+  for part in parts:
+    q_ref = p.q_refs[part.q_index]
+    qs.append(plt.load(
+        q_ref.at[pl.ds(p.q_start + row0, block_q), p.h, pl.ds(part.q_col, part.width)],
+        mask=row_valid[:, None], other=0))
+
+  q_lo = p.start_pos + row0
+  q_hi = p.start_pos + jnp.minimum(row0 + block_q, p.q_len) - 1
+  lo, hi = mask.kv_range(q_lo, q_hi, p.kv_len)
+  full_lo, full_hi = mask.full_range(q_lo, q_hi, p.kv_len)
+  t_lo = lax.div(lo, block_kv)
+  t_hi = jnp.maximum(lax.div(hi + block_kv - 1, block_kv), t_lo)
+  u_lo = jnp.clip(lax.div(full_lo + block_kv - 1, block_kv), t_lo, t_hi)
+  u_hi = jnp.clip(lax.div(full_hi, block_kv), u_lo, t_hi)
+
+  if p.sink_ref is not None:
+    m0 = jnp.full((block_q,), p.sink_ref[p.h].astype(jnp.float32) * LOG2_E, jnp.float32)
+    l0 = jnp.ones((block_q,), jnp.float32)
+  else:
+    m0 = jnp.full((block_q,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((block_q,), jnp.float32)
+  paged = p.table_ref is not None
+  page = p.page_of(t_lo, block_kv) if paged else jnp.int32(0)
+  carry = (jnp.zeros((block_q, p.v_ref.shape[-1]), jnp.float32), m0, l0, page)
+  step = functools.partial(_kv_step, p, parts, qs, q_pos, mask=mask, scale=scale,
+                           block_kv=block_kv)
+  masked_step = functools.partial(step, masked=True)
+  carry = lax.fori_loop(t_lo, u_lo, masked_step, carry)
+  carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+  acc, m, l, _ = lax.fori_loop(u_hi, t_hi, masked_step, carry)
+
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  out = acc / l_safe[:, None]
+  plt.store(p.o_ref.at[pl.ds(p.q_start + row0, block_q), p.h, :], out.astype(p.o_ref.dtype),
+            mask=row_valid[:, None])
+  if p.lse_ref is not None:
+    lse = jnp.where(seen, (m + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
+    plt.store(p.lse_ref.at[pl.ds(p.q_start + row0, block_q), p.h], lse, mask=row_valid)
+
+
+def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, block_kv):
+  """KV tile j of the online softmax (base 2, scale including log2(e)): Q.K as the sum of
+  the logit parts' products, the mask (on partial tiles), the running maximum and sum,
+  and P.V; carry = (acc, m, l, the page of tile j when paged)."""
+  acc, m_prev, l_prev, page = carry
+  tile_at = p.kv_tile(j, page, block_kv)
+  if p.table_ref is not None:
+    # The next tile's block-table entry, read one iteration ahead: a K/V address that
+    # waits on a table read in its own iteration costs MHA 13 to 22 % on the H200.
+    page = p.page_of(j + 1, block_kv)
+  cols = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+  kv_valid = cols < p.kv_len
+  load_mask = kv_valid[:, None] if masked else None
+  s = None
+  for part, q in zip(parts, qs):
+    k_head = jnp.int32(0) if part.shared_k else p.kv_head
+    k = plt.load(tile_at(p.k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
+                 mask=load_mask, other=0 if masked else None)
+    term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+    s = term if s is None else s + term
+  s = s * scale
+  if masked:
+    visible = mask.visible(q_pos[:, None], cols[None, :]) & kv_valid[None, :]
+    s = jnp.where(visible, s, MASK_VALUE)
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+  alpha = jnp.exp2(m_prev - m_new)
+  p_ = jnp.exp2(s - m_new[:, None])
+  if masked:
+    p_ = jnp.where(visible, p_, 0.0)
+  l_new = l_prev * alpha + jnp.sum(p_, axis=1)
+  v = plt.load(tile_at(p.v_ref, p.kv_head, slice(None)),
+               mask=load_mask, other=0 if masked else None)
+  acc = acc * alpha[:, None] + lax.dot_general(
+      p_.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32)
+  return acc, m_new, l_new, page
 
 
 def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
