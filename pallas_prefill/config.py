@@ -134,7 +134,7 @@ class MosaicConfig:
 LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry
 
 
-def _device_kind() -> str:
+def device_kind() -> str:
   """The device being compiled for: an abstract mesh's device (ahead-of-time lowering for
   another GPU) if one is set, else the default device."""
   abstract = jax.sharding.get_abstract_mesh().abstract_device
@@ -152,7 +152,7 @@ def tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len) -> tuple:
 def _tuned_entry(tables, qk_depth, v_depth, dtype, mask, max_prompt_len):
   """The entry of `tables` (device kind -> {tuned_key: tuple}) for the device and call: the
   mask's own, else the causal one, else None."""
-  table = tables.get(_device_kind(), {})
+  table = tables.get(device_kind(), {})
   key = tuned_key(qk_depth, v_depth, dtype, mask, max_prompt_len)
   return table.get(key, table.get(key[:3] + ("CausalMask",) + key[4:]))
 

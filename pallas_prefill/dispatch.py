@@ -80,8 +80,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   why). "auto" (the default) is Mosaic GPU on a Hopper GPU wherever it can serve the case,
   unless the tuned table for the device measured Triton faster there
   (``config.prefers_triton``) or the config is an ``MhaConfig``; a ``MosaicConfig`` picks
-  Mosaic GPU on any GPU where it serves. Triton otherwise: other GPUs, what Mosaic GPU
-  refuses, and interpret mode.
+  Mosaic GPU as "mosaic_gpu" does (refusing what it cannot serve). Triton otherwise:
+  other GPUs, what Mosaic GPU refuses, and interpret mode.
   """
   if backend == "triton":
     return None
@@ -94,15 +94,15 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
         v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
                                          return_lse, mosaic_config)
-  if backend == "mosaic_gpu":  # validation refused interpret mode
+  if backend == "mosaic_gpu" or isinstance(config, MosaicConfig):
+    # (validation refused interpret mode)
     if reason is not None:
-      raise NotImplementedError(f"backend='mosaic_gpu' cannot run this call: {reason}")
+      which = "backend='mosaic_gpu'" if backend == "mosaic_gpu" else "a MosaicConfig"
+      raise NotImplementedError(f"{which} cannot run this call: {reason}")
     return mosaic_config
   # "auto"
   if interpret or reason is not None or isinstance(config, MhaConfig):
     return None
-  if isinstance(config, MosaicConfig):
-    return mosaic_config
   if not is_hopper() or prefers_triton(qk, v.shape[-1], v.dtype, mask, max_prompt_len,
                                        paged=paged is not None):
     return None

@@ -91,12 +91,15 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
   if interpret not in (None, True, False):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
   # interpret=None means interpret mode exactly on the CPU backend (dispatch.static_options).
-  if backend == "mosaic_gpu" and (jax.default_backend() == "cpu" if interpret is None
-                                  else interpret):
-    raise ValueError("backend='mosaic_gpu' has no interpret mode (Mosaic GPU's interpreter "
-                     "cannot run its register-operand matrix products), which interpret="
+  # A MosaicConfig picks the Mosaic GPU kernel under "auto" as well.
+  mosaic = backend == "mosaic_gpu" or isinstance(config, MosaicConfig)
+  if mosaic and (jax.default_backend() == "cpu" if interpret is None else interpret):
+    which = ("backend='mosaic_gpu'" if backend == "mosaic_gpu" else
+             "a MosaicConfig (the Mosaic GPU kernel)")
+    raise ValueError(f"{which} has no interpret mode (Mosaic GPU's interpreter cannot run "
+                     "its register-operand matrix products), which interpret="
                      f"{interpret} picks here: run it on a Hopper GPU, or use "
-                     "backend='triton' or 'auto' for interpret mode")
+                     "backend='triton' or 'auto' without a MosaicConfig for interpret mode")
 
 
 def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_prefill as pp
-from pallas_prefill import masks, ragged
+from pallas_prefill import logits, masks
 
 CAUSAL = masks.CausalMask()
 
@@ -254,16 +254,14 @@ def mosaic_variant(case: Case) -> Case:
 
 def mosaic_serves(case: Case) -> bool:
   """Whether backend="mosaic_gpu" takes the case (else it must refuse it with
-  NotImplementedError): bf16/f16, every depth padding to a multiple of 64, and tiles that
-  fit shared memory (not MHA at depth 256 with both the LSE and a float32 output);
-  contiguous or paged K/V."""
-  pad = ragged.padded_depth
+  NotImplementedError): bf16/f16, every depth padding to a multiple of 64 (the default
+  tiles then fit shared memory, MHA at depth 256 with both the LSE and a float32 output
+  included); contiguous or paged K/V."""
+  pad = logits.padded_depth
   dv = case.head_dim_v or case.head_dim
   depths = [case.head_dim, dv] + ([case.rope_dim] if case.kind == "mla" else [])
   if case.kind == "mla" and pad(case.head_dim) + pad(case.rope_dim) != (
       case.head_dim + case.rope_dim):
     depths = [pad(case.head_dim), pad(case.rope_dim), dv]
   return (case.dtype in ("bfloat16", "float16")
-          and all(pad(d) % 64 == 0 for d in depths)
-          and not (case.kind == "mha" and max(case.head_dim, dv) > 128 and case.lse
-                   and case.output_dtype == "float32"))
+          and all(pad(d) % 64 == 0 for d in depths))

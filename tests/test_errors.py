@@ -16,7 +16,7 @@ import pytest
 import pallas_prefill as pp
 from pallas_prefill import masks
 from pallas_prefill import mha as mha_lib
-from pallas_prefill import ragged
+from pallas_prefill import dispatch
 
 
 class KernelReached(Exception):
@@ -32,7 +32,7 @@ def no_kernel(monkeypatch):
     raise KernelReached
 
   monkeypatch.setattr(mha_lib, "_mha_prefill", reached)
-  monkeypatch.setattr(ragged, "ragged_attention", reached)
+  monkeypatch.setattr(dispatch, "ragged_attention", reached)
 
 
 # ---------------------------------------------------------------------------------------

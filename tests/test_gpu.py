@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_prefill as pp
-from pallas_prefill import masks, mosaic
+from pallas_prefill import masks
+from pallas_prefill.mosaic_gpu import schedule, smem
 from tests import cases, test_work_items
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
@@ -86,7 +87,7 @@ def test_mosaic_matches_reference(case):
 
 
 # MLA with 128-row K/V tiles in two stages: shared memory holds one 64-column output
-# buffer per warpgroup, filled and stored a column chunk at a time (mosaic.output_buffers).
+# buffer per warpgroup, filled and stored a column chunk at a time (smem.output_buffers).
 MLA_128X2 = pp.MosaicConfig(block_kv=128, num_stages=2)
 
 
@@ -113,9 +114,9 @@ def test_mosaic_few_programs(case, programs):
                                   if c.kind == "mla" and cases.mosaic_serves(c)],
                          ids=lambda c: c.name)
 def test_mosaic_mla_one_output_buffer(case):
-  """MLA's cases with 128-row K/V tiles in two stages, without the LSE (whose buffer leaves
-  no room for them at 192 + 128: tests/test_mosaic.py)."""
-  case = dataclasses.replace(case, config=MLA_128X2, lse=False)
+  """MLA's cases with 128-row K/V tiles in two stages: one output buffer, the LSE's buffer
+  too where asked (within 1 KiB of the limit: tests/test_mosaic.py)."""
+  case = dataclasses.replace(case, config=MLA_128X2)
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
@@ -130,7 +131,7 @@ def _split(case):
     _split(c) for c in MOSAIC_CASES
     if c.kind == "mha" and cases.mosaic_serves(c)
     and max(c.head_dim, c.head_dim_v or c.head_dim) <= 128] + list({
-        c.name: c for c in (_split(dataclasses.replace(c, lse=False)) for c in MOSAIC_CASES
+        c.name: c for c in (_split(c) for c in MOSAIC_CASES
                             if c.kind == "mla" and cases.mosaic_serves(c))}.values()) + [
     _split(dataclasses.replace(_LARGE, lens=(300, 0, 7, 1000, 64, 65, 1),
                                kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True, sink=True)),
@@ -154,20 +155,15 @@ def test_mosaic_split_units(case):
     dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lens=(300, 7, 1000, 64),
                         config=pp.MosaicConfig(block_kv=64, num_stages=3)),
 ], ids=lambda c: c.name)
-def test_mosaic_dynamic_orders(monkeypatch, case, head_major, deal):
+def test_mosaic_dynamic_orders(case, head_major, deal):
   """Both orders of dynamic scheduling's units, claimed or dealt
-  (``mosaic.DYNAMIC_HEAD_MAJOR`` and ``DYNAMIC_DEAL`` forced; left alone,
-  ``dynamic_schedule`` picks per call), on 5 programs so that each takes many units."""
-  monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
-  monkeypatch.setattr(mosaic, "DYNAMIC_DEAL", deal)
-  jax.clear_caches()  # the entry points' traces do not key on the flag
-  config = dataclasses.replace(case.config or pp.MosaicConfig(), num_programs=5)
+  (``MosaicOptions.head_major`` and ``deal`` forced; left alone,
+  ``schedule.dynamic_schedule`` picks per call), on 5 programs so that each takes many
+  units."""
+  config = dataclasses.replace(case.config or pp.MosaicConfig(), num_programs=5,
+                               options=pp.MosaicOptions(head_major=head_major, deal=deal))
   case = dataclasses.replace(case, config=config)
-  try:
-    cases.check_case(case, interpret=False, poison=poison_device_memory,
-                     backend="mosaic_gpu")
-  finally:
-    jax.clear_caches()
+  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
 @pytest.mark.parametrize("lse", [True, False])  # without: work_items' kernel builds the list
@@ -213,7 +209,7 @@ def test_mosaic_work_items_match_xla(case):
 
 @pytest.mark.parametrize("case", test_work_items.DYNAMIC_CASES, ids=lambda c: c.name)
 def test_mosaic_work_items_dynamic_order_matches_xla(case):
-  """The same with dynamic scheduling's order (``mosaic.dynamic_head_major_order``)."""
+  """The same with dynamic scheduling's order (``schedule.dynamic_head_major_order``)."""
   for seed in range(3):
     test_work_items.check_work_items(case, interpret=False, seed=seed, dynamic=True)
 

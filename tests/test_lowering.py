@@ -216,7 +216,7 @@ def test_default_config_sees_an_h200():
   seen = []
 
   def fn(x):
-    seen.append(config_lib._device_kind())  # pylint: disable=protected-access
+    seen.append(config_lib.device_kind())
     return x
 
   lower_for_h200(fn, S((16,), jnp.float32))

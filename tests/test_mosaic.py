@@ -5,8 +5,8 @@ benchmarks/h200.sh). Mosaic GPU's interpreter cannot run it (its P.V product tak
 registers), so on the CPU this file checks the rest:
 
 - An emulator that follows the kernel's schedule step by step in NumPy: the work list
-  that XLA computes (``mosaic.work_list``), each warpgroup's Q rows, the KV tile rows
-  (``mosaic.tile_first_row``) and their masking (``mosaic.visible_keys``), the unmasked
+  that XLA computes (``xla_work_list.work_list``), each warpgroup's Q rows, the KV tile rows
+  (``mosaic_kernel.tile_first_row``) and their masking (``mosaic_kernel.visible_keys``), the unmasked
   tiles (where it asserts that every pair is in fact visible), the V tail group, the
   row-exact stores (each output row written exactly once) and the LSE slots. It is
   compared with the float64 reference on the shared case matrix, so the index arithmetic
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,26 +31,29 @@ import pytest
 from benchmarks import workloads as benchmark_workloads
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
-from pallas_prefill import masks, mosaic, ragged
+from pallas_prefill import constants, logits, masks, mosaic_gpu
+from pallas_prefill.mosaic_gpu import kernel as mosaic_kernel
+from pallas_prefill.mosaic_gpu import layout, operands, schedule, smem
+from pallas_prefill.mosaic_gpu import work_list as xla_work_list
 from tests import cases
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
 
 def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs; a paged
-  cache read page by page (pages of ``mosaic.MIN_NATIVE_PAGE`` rows or more) or gathered
-  as the backend gathers it (``mosaic.gathered_pages``)."""
+  cache read page by page (pages of ``layout.MIN_NATIVE_PAGE`` rows or more) or gathered
+  as the backend gathers it (``operands.gathered_pages``)."""
   paged_cache = native = None
   if isinstance(args[1], pp.PagedKV):
     cache = args[1]
     num_pages, page_size = cache.pages.shape[:2]
     paged_cache = (cache.cache_lengths, cache.block_table.shape[1] * page_size)
-    if page_size >= mosaic.MIN_NATIVE_PAGE:
+    if page_size >= layout.MIN_NATIVE_PAGE:
       native = (np.clip(np.asarray(cache.block_table), 0, num_pages - 1), page_size)
-      config = mosaic.paged_config(config, page_size)
+      config = mosaic_gpu.paged_config(config, page_size)
       args = (args[0], *[x.pages for x in args[1:-1]], args[-1])
     else:
-      gathered, _ = mosaic.gathered_pages(
+      gathered, _ = operands.gathered_pages(
           [x.pages for x in args[1:-1]], cache.block_table, cache.cache_lengths, args[-1],
           args[0].shape[0])
       args = (args[0], *gathered, args[-1])
@@ -71,7 +75,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
-  table, lse_slot, kv_end, n_live = mosaic.work_list(q_off, kv_off, total_q, total_kv,
+  table, lse_slot, kv_end, n_live = xla_work_list.work_list(q_off, kv_off, total_q, total_kv,
                                                      mask=mask, block_q=bq, block_kv=bkv,
                                                      paged_cache=paged_cache,
                                                      page_tiles=native is not None)
@@ -79,8 +83,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
   programs = 5
-  head_major = mosaic.head_major_order(
-      table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=heads,
+  head_major = schedule.head_major_order(
+      table[:, layout.T_HI] - table[:, layout.T_LO], n_live, num_heads=heads,
       group=heads // kv_heads, num_programs=programs)
   units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major)
 
@@ -95,17 +99,17 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   out = np.full((total_q, heads, dv), np.nan)
   written = np.zeros((total_q, heads), int)
   lse_buf = np.full((heads, table.shape[0] * 2 * bq), np.nan)
-  c = functools.partial(getattr, mosaic)  # the table columns, mosaic._Q_START etc.
+  c = functools.partial(getattr, layout)  # the table columns, layout.Q_START etc.
   for h, w in units:
     t = table[w]
-    q_start, q_len = t[c("_Q_START")], t[c("_Q_LEN")]
-    kv_start, kv_len = t[c("_KV_START")], t[c("_KV_LEN")]
-    kv_row8, kv_last8 = t[c("_KV_ROW8")], t[c("_KV_LAST8")]
-    item_lo, item_hi = t[c("_T_LO")], t[c("_T_HI")]
-    for g in range(mosaic.COMPUTE_WGS):
-      t_lo, u_lo, u_hi, t_hi = t[c("_WG_COLS") + 4 * g:c("_WG_COLS") + 4 * g + 4]
+    q_start, q_len = t[c("Q_START")], t[c("Q_LEN")]
+    kv_start, kv_len = t[c("KV_START")], t[c("KV_LEN")]
+    kv_row8, kv_last8 = t[c("KV_ROW8")], t[c("KV_LAST8")]
+    item_lo, item_hi = t[c("T_LO")], t[c("T_HI")]
+    for g in range(layout.COMPUTE_WGS):
+      t_lo, u_lo, u_hi, t_hi = t[c("WG_COLS") + 4 * g:c("WG_COLS") + 4 * g + 4]
       assert item_lo <= t_lo <= u_lo <= u_hi <= t_hi <= item_hi, t
-      row = (t[c("_ROW8")] + g * (bq // 8)) * 8
+      row = (t[c("ROW8")] + g * (bq // 8)) * 8
       first = int(np.clip(q_start - row, 0, bq))
       n_rows = int(np.clip(q_start + q_len - row, 0, bq)) - first
       row_pos = kv_len - q_len + row - q_start
@@ -116,14 +120,14 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       l = np.full(bq, 1.0 if sink is not None else 0.0)
       acc = np.zeros((bq, dv))
       for i in range(t_lo, t_hi):
-        start = int(mosaic.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
+        start = int(mosaic_kernel.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
         if native is not None:
           # Positions [start, start + bkv) of the sequence, inside one page.
           # (pieces of them from consecutive pages where the tile is larger than a page)
           block_table, page_size = native
-          pages = mosaic.tile_pages(bkv, page_size)
+          pages = layout.tile_pages(bkv, page_size)
           piece = bkv // pages
-          spots = [(block_table[t[c("_SEQ")], min((start + j * piece) // page_size,
+          spots = [(block_table[t[c("SEQ")], min((start + j * piece) // page_size,
                                                   block_table.shape[1] - 1)],
                     (start + j * piece) % page_size) for j in range(pages)]
           assert all(row + piece <= page_size for _, row in spots), "a piece spans pages"
@@ -135,7 +139,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
                 for qx, kx in zip(qs, k_parts)) * scale
         q_pos = row_pos + np.arange(bq)[:, None]
         k_pos = start - kv_start + np.arange(bkv)[None, :]
-        vis = np.asarray(mosaic.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
+        vis = np.asarray(mosaic_kernel.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
                                              kv_len, block_kv=bkv))
         if u_lo <= i < u_hi:
           assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
@@ -161,13 +165,13 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       o = acc / np.where(seen, l, 1.0)[:, None]
       out[row + first:row + first + n_rows, h] = o[stored]
       written[row + first:row + first + n_rows, h] += 1
-      lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), ragged.EMPTY_ROW_LSE)
+      lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
       lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
   lse = lse_buf[:, lse_slot].T
   last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
                                        total_q))[-1]
-  lse[last:] = ragged.EMPTY_ROW_LSE  # rows of no sequence, as the wrapper does
+  lse[last:] = constants.EMPTY_ROW_LSE  # rows of no sequence, as the wrapper does
   return out, lse
 
 
@@ -190,7 +194,7 @@ EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES
 def test_schedule_matches_reference(case):
   seed = cases.fresh_seed()
   args, kwargs, last_row = cases.make_inputs(case, seed)
-  pad = ragged.padded_depth
+  pad = logits.padded_depth
   qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
   config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
                                             jnp.bfloat16, case.mask, 1)
@@ -278,41 +282,41 @@ def test_work_list_covers_garbage_offsets_once():
   for _ in range(20):
     total = int(rng.integers(1, 500))
     off = jnp.asarray(rng.integers(-50, total + 50, size=int(rng.integers(2, 9))), jnp.int32)
-    table, slot, _, n_live = mosaic.work_list(off, None, total, total,
+    table, slot, _, n_live = xla_work_list.work_list(off, None, total, total,
                                               mask=masks.CausalMask(), block_q=64,
                                               block_kv=128)
     table = np.asarray(table)
     covered = np.zeros(total, int)
     for t in table[:int(n_live)]:  # the items the kernel runs
       for g in range(2):
-        row = (t[mosaic._ROW8] + g * 8) * 8
-        first = np.clip(t[mosaic._Q_START] - row, 0, 64)
-        n = np.clip(t[mosaic._Q_START] + t[mosaic._Q_LEN] - row, 0, 64) - first
+        row = (t[layout.ROW8] + g * 8) * 8
+        first = np.clip(t[layout.Q_START] - row, 0, 64)
+        n = np.clip(t[layout.Q_START] + t[layout.Q_LEN] - row, 0, 64) - first
         covered[row + first:row + first + n] += 1
-      assert t[mosaic._KV_LAST8] >= 0 and t[mosaic._KV_ROW8] >= 0
+      assert t[layout.KV_LAST8] >= 0 and t[layout.KV_ROW8] >= 0
     assert (covered == 1).all(), (off, covered)
     assert np.asarray(slot).shape == (total,)
 
 
 def test_items_are_heaviest_first():
   off = jnp.asarray([0, 10, 4000, 4100, 8000], jnp.int32)
-  table, _, _, n_live = mosaic.work_list(off, None, 8000, 8000, mask=masks.CausalMask(),
+  table, _, _, n_live = xla_work_list.work_list(off, None, 8000, 8000, mask=masks.CausalMask(),
                                          block_q=64, block_kv=128)
-  steps = np.asarray(table[:int(n_live), mosaic._T_HI] - table[:int(n_live), mosaic._T_LO])
+  steps = np.asarray(table[:int(n_live), layout.T_HI] - table[:int(n_live), layout.T_LO])
   assert (np.diff(steps) <= 0).all() and steps[0] > steps[-1]
   # The rest store no rows: the kernel never runs them.
   assert int(n_live) < table.shape[0]
-  assert not np.asarray(table[int(n_live):, mosaic._Q_LEN]).any()
+  assert not np.asarray(table[int(n_live):, layout.Q_LEN]).any()
 
 
 def program_units(programs, n_live, heads, group, head_major):
   """Every program's (head, item) units in the order it runs them, checked to cover each
   unit once."""
-  units = [tuple(int(x) for x in mosaic.program_unit(
+  units = [tuple(int(x) for x in schedule.program_unit(
       p, programs, k, num_heads=heads, group=group, n_live=jnp.int32(n_live),
       head_major=jnp.int32(head_major)))
            for p in range(programs)
-           for k in range(int(mosaic.num_local_units(p, programs, n_live * heads)))]
+           for k in range(int(schedule.num_local_units(p, programs, n_live * heads)))]
   assert sorted(units) == [(h, w) for h in range(heads) for w in range(n_live)]
   return units
 
@@ -325,7 +329,7 @@ def test_programs_share_out_every_unit_once(n_live, heads, group, programs, head
   program_units(programs, n_live, heads, group, head_major)
   # What the programs run first, together: K/V-head-major, the items of one K/V head when
   # it has a unit for each program; item-major, the heads of the first items.
-  first = [tuple(int(x) for x in mosaic.program_unit(
+  first = [tuple(int(x) for x in schedule.program_unit(
       p, programs, 0, num_heads=heads, group=group, n_live=jnp.int32(n_live),
       head_major=jnp.int32(head_major))) for p in range(min(programs, n_live * heads))]
   if head_major and n_live * group >= programs:
@@ -344,10 +348,10 @@ def test_dealt_units_end_where_the_static_deal_does(n_units, programs):
   seen = []
   for p in range(programs):
     k = 0
-    while int(mosaic._dealt_unit(p, programs, k)) < n_units:
-      seen.append(int(mosaic._dealt_unit(p, programs, k)))
+    while int(schedule.dealt_unit(p, programs, k)) < n_units:
+      seen.append(int(schedule.dealt_unit(p, programs, k)))
       k += 1
-    assert k == int(mosaic.num_local_units(p, programs, n_units))
+    assert k == int(schedule.num_local_units(p, programs, n_units))
   assert sorted(seen) == list(range(n_units))
 
 
@@ -421,11 +425,11 @@ def test_zigzag_balances_heaviest_first_units():
   programs, weights = 132, np.linspace(100, 1, 4096 * 4)
   load = np.zeros(programs)
   for p in range(programs):
-    for k in range(int(mosaic.num_local_units(p, programs, len(weights)))):
-      u = mosaic._dealt_unit(p, programs, k)
+    for k in range(int(schedule.num_local_units(p, programs, len(weights)))):
+      u = schedule.dealt_unit(p, programs, k)
       load[p] += weights[int(u)]
   assert load.max() / load.mean() < 1.02
-  assert np.allclose(mosaic.program_loads(jnp.asarray(weights, jnp.float32), programs), load,
+  assert np.allclose(schedule.program_loads(jnp.asarray(weights, jnp.float32), programs), load,
                      rtol=1e-4)
 
 
@@ -439,24 +443,24 @@ def test_head_major_order_where_it_balances(kind, name, head_major):
   heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
   off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
   total = int(off[-1])
-  table, _, _, n_live = mosaic.work_list(off, None, total, total, mask=w.mask, block_q=64,
+  table, _, _, n_live = xla_work_list.work_list(off, None, total, total, mask=w.mask, block_q=64,
                                          block_kv=block_kv)
-  tiles = np.asarray(table[:, mosaic._T_HI] - table[:, mosaic._T_LO])
-  got = int(mosaic.head_major_order(jnp.asarray(tiles), n_live, num_heads=heads,
+  tiles = np.asarray(table[:, layout.T_HI] - table[:, layout.T_LO])
+  got = int(schedule.head_major_order(jnp.asarray(tiles), n_live, num_heads=heads,
                                     group=group, num_programs=132))
   assert got == head_major
   n = int(n_live)
-  cost = np.where(np.arange(len(tiles)) < n, tiles + mosaic.UNIT_COST_TILES, 0)
-  counts = [int(mosaic.num_local_units(p, 132, n * heads)) for p in range(132)]
+  cost = np.where(np.arange(len(tiles)) < n, tiles + schedule.UNIT_COST_TILES, 0)
+  counts = [int(schedule.num_local_units(p, 132, n * heads)) for p in range(132)]
   p = jnp.asarray(np.repeat(np.arange(132), counts), jnp.int32)
   k = jnp.asarray(np.concatenate([np.arange(c) for c in counts]), jnp.int32)
   worst = {}
   for order in (0, 1):
-    unit = functools.partial(mosaic.program_unit, num_programs=132, num_heads=heads,
+    unit = functools.partial(schedule.program_unit, num_programs=132, num_heads=heads,
                              group=group, n_live=jnp.int32(n), head_major=jnp.int32(order))
     _, item = jax.vmap(lambda p, k: unit(p, k=k))(p, k)  # noqa: B023
     worst[order] = np.bincount(np.asarray(p), weights=cost[np.asarray(item)]).max()
-  assert (worst[1] <= mosaic.HEAD_MAJOR_SLACK * worst[0]) == bool(head_major)
+  assert (worst[1] <= schedule.HEAD_MAJOR_SLACK * worst[0]) == bool(head_major)
 
 
 def _claimed_in_order(costs, programs):
@@ -485,22 +489,22 @@ def test_dynamic_order_on_the_harness_workloads(kind, name, head_major, deal):
   heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
   off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
   kv_off = jnp.asarray(benchmark_workloads.offsets(w.kv_lens or w.q_lens), jnp.int32)
-  table, _, _, n_live = mosaic.work_list(off, kv_off, int(off[-1]), int(kv_off[-1]),
+  table, _, _, n_live = xla_work_list.work_list(off, kv_off, int(off[-1]), int(kv_off[-1]),
                                          mask=w.mask, block_q=64, block_kv=block_kv)
-  tiles = table[:, mosaic._T_HI] - table[:, mosaic._T_LO]
-  got = mosaic.dynamic_head_major_order(tiles, n_live, num_heads=heads, group=group,
+  tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
+  got = schedule.dynamic_head_major_order(tiles, n_live, num_heads=heads, group=group,
                                         num_programs=132)
   assert int(got) == head_major
-  schedule = mosaic.dynamic_schedule(tiles, n_live, num_heads=heads, group=group,
+  picked = schedule.dynamic_schedule(tiles, n_live, num_heads=heads, group=group,
                                      num_programs=132)
-  assert tuple(int(x) for x in schedule) == (max(head_major, deal), deal)
+  assert tuple(int(x) for x in picked) == (max(head_major, deal), deal)
   n = int(n_live)
-  cost = np.where(np.arange(tiles.shape[0]) < n, np.asarray(tiles) + mosaic.UNIT_COST_TILES,
+  cost = np.where(np.arange(tiles.shape[0]) < n, np.asarray(tiles) + schedule.UNIT_COST_TILES,
                   0)
-  ends = mosaic.claimed_order_end(jnp.asarray(cost), jnp.asarray(np.cumsum(cost) - cost),
+  ends = schedule.claimed_order_end(jnp.asarray(cost), jnp.asarray(np.cumsum(cost) - cost),
                                   num_heads=heads, group=group, num_programs=132)
   for order, end in zip((1, 0), ends):
-    _, item = mosaic.unit_head_item(jnp.arange(n * heads), num_heads=heads, group=group,
+    _, item = schedule.unit_head_item(jnp.arange(n * heads), num_heads=heads, group=group,
                                     n_live=jnp.int32(n), head_major=jnp.int32(order))
     simulated = _claimed_in_order(cost[np.asarray(item)], 132)
     assert simulated - 2 <= int(end) <= 1.2 * simulated, (order, simulated, int(end))
@@ -515,7 +519,8 @@ def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
     (jnp.float32, 128, {}, "dtype float32"),
     (jnp.bfloat16, 32, {}, "depth 32"),
     # depth 256 fits with one output buffer, but not with a float32 one and the LSE's
-    (jnp.bfloat16, 256, dict(output_dtype=jnp.float32, return_lse=True), "shared memory"),
+    (jnp.bfloat16, 256, dict(config=pp.MosaicConfig(block_kv=128, num_stages=3)),
+     "shared memory"),
 ])
 def test_refuses_what_it_cannot_serve(dtype, depth, extra, why):
   with pytest.raises(NotImplementedError, match=why):
@@ -533,7 +538,7 @@ def test_gathered_pages_zero_rows_past_the_keys():
   table = np.array([[3, 0, 10**6], [5, 1, 2], [8, 8, 8]], np.int32)
   cache = np.array([20, 40, 0], np.int32)
   q_off = np.array([0, 5, 10, 10], np.int32)  # new rows 5, 5, 0
-  [got], capacity = mosaic.gathered_pages([jnp.asarray(pages)], jnp.asarray(table),
+  [got], capacity = operands.gathered_pages([jnp.asarray(pages)], jnp.asarray(table),
                                           jnp.asarray(cache), jnp.asarray(q_off), 10)
   got = np.asarray(got)
   assert capacity == 3 * page_size and got.shape == (3 * capacity, heads, 8)
@@ -557,7 +562,13 @@ def test_backend_argument_errors():
     pp.mha_prefill(*args, max_prompt_len=256, backend="mosaic_gpu",
                    config=pp.MhaConfig(), interpret=False)
   with pytest.raises(TypeError, match="MhaConfig"):
-    pp.mha_prefill(*args, max_prompt_len=256, config=pp.MosaicConfig())
+    pp.mha_prefill(*args, max_prompt_len=256, config=pp.MosaicConfig(), backend="triton")
+  if jax.default_backend() == "cpu":  # a MosaicConfig picks Mosaic GPU under "auto" too
+    with pytest.raises(ValueError, match="MosaicConfig.*no interpret mode"):
+      pp.mha_prefill(*args, max_prompt_len=256, config=pp.MosaicConfig())
+  with pytest.raises(NotImplementedError, match="a MosaicConfig cannot run this call"):
+    pp.mha_prefill(*_mha_args(jnp.float32), max_prompt_len=256, config=pp.MosaicConfig(),
+                   interpret=False)
   for bad in (dict(block_q=128), dict(block_kv=32), dict(num_stages=1),
               dict(num_programs=0), dict(num_programs=True)):
     with pytest.raises(ValueError, match="MosaicConfig"):
@@ -576,12 +587,12 @@ def test_auto_runs_triton_in_interpret_mode():
 
 def test_default_configs_fit_shared_memory():
   for qk, v in ((64, 64), (128, 128), (192, 128), (128, 64), (64, 128)):
-    parts = [ragged.QkPart(0, 0, 0, 0, qk)]
-    cfg = mosaic.fitted(
+    parts = [logits.QkPart(0, 0, 0, 0, qk)]
+    cfg = mosaic_gpu.fitted(
         config_lib.default_mosaic_config(qk, v, jnp.bfloat16, masks.CausalMask(), 4096),
         parts, v, jnp.bfloat16, jnp.float32, True)
-    assert mosaic.smem_bytes(parts, v, jnp.bfloat16, jnp.float32, True, cfg) <= (
-        mosaic.SMEM_BYTES), (qk, v, cfg)
+    assert smem.smem_bytes(parts, v, jnp.bfloat16, jnp.float32, True, cfg) <= (
+        layout.SMEM_BYTES), (qk, v, cfg)
 
 
 
@@ -589,21 +600,23 @@ def test_default_configs_fit_shared_memory():
 
 def test_one_output_buffer_where_shared_memory_holds_no_more():
   """MLA's 192 + 128 with 128-row K/V tiles in two stages leaves room for one 64-column
-  output buffer per warpgroup (filled and stored a column chunk at a time); with the LSE's
-  buffer as well, or a float32 output, for none, and the config is refused. Other shapes
-  get one per 64 columns of V."""
-  mla = [ragged.QkPart(0, 0, 0, 0, 128), ragged.QkPart(0, 0, 0, 0, 64)]
-  mha = [ragged.QkPart(0, 0, 0, 0, 128)]
+  output buffer per warpgroup (filled and stored a column chunk at a time), the LSE's
+  buffer as well (within 1 KiB of the limit); with a float32 output, or three stages, for
+  none, and the config is refused. Other shapes get one per 64 columns of V."""
+  mla = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 0, 0, 0, 64)]
+  mha = [logits.QkPart(0, 0, 0, 0, 128)]
   wide = pp.MosaicConfig(block_kv=128, num_stages=2)
   bf16 = jnp.bfloat16
-  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, wide) == 1
-  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, pp.MosaicConfig(64, 64, 3)) == 2
-  assert mosaic.output_buffers(mha, 128, bf16, bf16, True, wide) == 2
-  assert mosaic.smem_bytes(mla, 128, bf16, bf16, False, wide) <= mosaic.SMEM_BYTES
-  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, wide) is not None
-  assert mosaic.unsupported_reason(mla, 128, bf16, jnp.float32, False, wide) is not None
+  assert smem.output_buffers(mla, 128, bf16, bf16, False, wide) == 1
+  assert smem.output_buffers(mla, 128, bf16, bf16, False, pp.MosaicConfig(64, 64, 3)) == 2
+  assert smem.output_buffers(mha, 128, bf16, bf16, True, wide) == 2
+  assert smem.smem_bytes(mla, 128, bf16, bf16, False, wide) <= layout.SMEM_BYTES
+  assert mosaic_gpu.unsupported_reason(mla, 128, bf16, bf16, True, wide) is None
+  assert smem.output_buffers(mla, 128, bf16, bf16, True, wide) == 1
+  assert mosaic_gpu.unsupported_reason(mla, 128, bf16, jnp.float32, False, wide) is not None
+  deeper = dataclasses.replace(wide, num_stages=3)
   with pytest.raises(NotImplementedError, match="shared memory"):
-    Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=wide).lower()
+    Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=deeper).lower()
 
 
 SPLIT = pp.MosaicConfig(block_kv=64, num_stages=2, split_units=True)
@@ -611,41 +624,51 @@ SPLIT = pp.MosaicConfig(block_kv=64, num_stages=2, split_units=True)
 
 def test_split_units_shared_memory():
   """Split units hold a K/V stream per compute warpgroup: twice the K/V buffers, which
-  fit at depth 128 with 64-row tiles in two stages (a float32 output then gets one
-  output buffer), and for MLA's 192 + 128 with one output buffer and no LSE; not at depth
-  256, and the refusal says why."""
-  mha, bf16 = [ragged.QkPart(0, 0, 0, 0, 128)], jnp.bfloat16
+  fit at depth 128 with 64-row tiles in two stages (a float32 output and the LSE
+  included), and for MLA's 192 + 128 with one output buffer (the LSE's too, within
+  1 KiB of the limit); not at depth 256, and the refusal says why."""
+  mha, bf16 = [logits.QkPart(0, 0, 0, 0, 128)], jnp.bfloat16
   shared = dataclasses.replace(SPLIT, split_units=False)
-  kv = 2 * 64 * (128 + 128) * 2
-  assert (mosaic.smem_bytes(mha, 128, bf16, bf16, True, SPLIT)
-          == mosaic.smem_bytes(mha, 128, bf16, bf16, True, shared) + kv)
-  assert mosaic.unsupported_reason(mha, 128, bf16, bf16, True, SPLIT) is None
-  assert mosaic.output_buffers(mha, 128, bf16, jnp.float32, True, SPLIT) == 1
-  assert mosaic.unsupported_reason(mha, 128, bf16, jnp.float32, True, SPLIT) is None
-  deep = [ragged.QkPart(0, 0, 0, 0, 256)]
-  assert "split units" in mosaic.unsupported_reason(deep, 256, bf16, bf16, False, SPLIT)
-  mla = [ragged.QkPart(0, 0, 0, 0, 128), ragged.QkPart(0, 0, 0, 0, 64)]
-  assert mosaic.output_buffers(mla, 128, bf16, bf16, False, SPLIT) == 1
-  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, False, SPLIT) is None
-  assert mosaic.unsupported_reason(mla, 128, bf16, bf16, True, SPLIT) is not None
+  # the second stream's K/V buffers, and its slots' 4 barriers each and 2 unit barriers
+  kv, barriers = 2 * 64 * (128 + 128) * 2, 2 * 4 + 2 * 2
+  assert (smem.smem_bytes(mha, 128, bf16, bf16, True, SPLIT)
+          == smem.smem_bytes(mha, 128, bf16, bf16, True, shared) + kv
+          + barriers * smem.BARRIER_BYTES)
+  assert mosaic_gpu.unsupported_reason(mha, 128, bf16, bf16, True, SPLIT) is None
+  assert smem.output_buffers(mha, 128, bf16, jnp.float32, True, SPLIT) == 2
+  assert mosaic_gpu.unsupported_reason(mha, 128, bf16, jnp.float32, True, SPLIT) is None
+  deep = [logits.QkPart(0, 0, 0, 0, 256)]
+  assert "split units" in mosaic_gpu.unsupported_reason(deep, 256, bf16, bf16, False, SPLIT)
+  mla = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 0, 0, 0, 64)]
+  assert smem.output_buffers(mla, 128, bf16, bf16, False, SPLIT) == 1
+  assert mosaic_gpu.unsupported_reason(mla, 128, bf16, bf16, False, SPLIT) is None
+  assert mosaic_gpu.unsupported_reason(mla, 128, bf16, bf16, True, SPLIT) is None
   with pytest.raises(NotImplementedError, match="split units"):
     Lowered(head_dim=256, head_dim_v=256, heads=8, kv_heads=1, config=SPLIT).lower()
 
 
-def test_split_config(monkeypatch):
-  """``SPLIT_UNITS`` forces split units (64-row K/V tiles in two stages) or shared ones;
-  None keeps the config's choice. Without dynamic scheduling the units are shared."""
-  shared = pp.MosaicConfig()
-  assert mosaic.split_config(shared) == shared and mosaic.split_config(SPLIT) == SPLIT
-  monkeypatch.setattr(mosaic, "SPLIT_UNITS", True)
-  assert mosaic.split_config(shared) == SPLIT
-  monkeypatch.setattr(mosaic, "SPLIT_UNITS", False)
-  assert mosaic.split_config(SPLIT) == dataclasses.replace(SPLIT, split_units=False)
-  monkeypatch.setattr(mosaic, "SPLIT_UNITS", None)
-  monkeypatch.setattr(mosaic, "DYNAMIC", False)
-  assert not mosaic.split_config(SPLIT).split_units
+def test_split_units_need_dynamic_scheduling():
+  """Split units run only with dynamic scheduling (``smem.splits``): without it the units
+  are shared, and shared memory is counted for shared units."""
+  assert smem.splits(SPLIT) and not smem.splits(pp.MosaicConfig())
+  static = dataclasses.replace(SPLIT, options=pp.MosaicOptions(dynamic=False))
+  assert not smem.splits(static)
+  mha = [logits.QkPart(0, 0, 0, 0, 128)]
+  bf16 = jnp.bfloat16
+  assert smem.smem_bytes(mha, 128, bf16, bf16, False, static) < smem.smem_bytes(
+      mha, 128, bf16, bf16, False, SPLIT)
   with pytest.raises(ValueError, match="split_units"):
     pp.MosaicConfig(split_units=1)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(dynamic=1), "dynamic"), (dict(head_major=2), "head_major"),
+    (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale")])
+def test_bad_options_raise(options, match):
+  with pytest.raises(ValueError, match=match):
+    pp.MosaicOptions(**options)
+  with pytest.raises(ValueError, match="options"):
+    pp.MosaicConfig(options=dict(options))
 
 
 # ---------------------------------------------------------------------------------------
@@ -744,13 +767,12 @@ def test_default_config_lowers(problem):
 
 @pytest.mark.parametrize("lse,build,calls", [(False, True, 2), (True, True, 1),
                                              (False, False, 1)])
-def test_the_work_list_kernel_runs_before_the_attention(monkeypatch, lse, build, calls):
+def test_the_work_list_kernel_runs_before_the_attention(lse, build, calls):
   """Without the LSE the work list comes from ``work_items``' kernel, a second Mosaic GPU
-  call (lowered for an H200 here); with it, or with ``BUILD_WORK_LIST`` off, from XLA."""
-  monkeypatch.setattr(mosaic, "BUILD_WORK_LIST", build)
-  jax.clear_caches()  # mha_prefill's trace does not key on the flag
-  text = Lowered(lse=lse).lower().as_text()
-  jax.clear_caches()
+  call (lowered for an H200 here); with it, or with ``MosaicOptions.build_work_list``
+  off, from XLA."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(build_work_list=build))
+  text = Lowered(lse=lse, config=config).lower().as_text()
   assert text.count(f"custom_call @{MOSAIC_CALL}(") == calls
 
 
@@ -762,18 +784,17 @@ def _attention_call(text):
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("dynamic,fold", [(True, True), (False, False)])
-def test_dynamic_units_are_claimed_from_a_copy_per_call(monkeypatch, kind, dynamic, fold):
-  """With dynamic scheduling (``mosaic.DYNAMIC``) the attention call counts its claims in
-  the scalars' _S_NEXT lane, updated in place: the scalars are aliased to one of its
-  outputs, so that XLA gives every call a fresh copy (a work list shared by two calls
+def test_dynamic_units_are_claimed_from_a_copy_per_call(kind, dynamic, fold):
+  """With dynamic scheduling (``MosaicOptions.dynamic``) the attention call counts its
+  claims in the scalars' S_NEXT lane, updated in place: the scalars are aliased to one of
+  its outputs, so that XLA gives every call a fresh copy (a work list shared by two calls
   under one jit must not share the count). The static deal (and the unfolded scale,
-  ``FOLD_SCALE``, measured against) lower too and alias nothing."""
-  monkeypatch.setattr(mosaic, "DYNAMIC", dynamic)
-  monkeypatch.setattr(mosaic, "FOLD_SCALE", fold)
-  jax.clear_caches()  # mha_prefill's trace does not key on the flags
+  ``fold_scale``, measured against) lower too and alias nothing."""
   heads = dict(heads=16, kv_heads=16) if kind == "mla" else {}
-  call = _attention_call(Lowered(kind=kind, **heads).lower().as_text())
-  jax.clear_caches()
+  block = dict(block_kv=64, num_stages=3) if kind == "mla" else {}
+  config = pp.MosaicConfig(**block, options=pp.MosaicOptions(dynamic=dynamic,
+                                                             fold_scale=fold))
+  call = _attention_call(Lowered(kind=kind, config=config, **heads).lower().as_text())
   assert ("output_operand_alias" in call) == dynamic
 
 
@@ -784,29 +805,29 @@ def test_the_scalars_start_the_claim_count_at_zero():
   (q, k, v, off), _, _ = cases.make_inputs(case, cases.fresh_seed())
   got = []
   for lse in (True, False):
-    inputs, _, _ = mosaic.operands([q], [k], v, off, None, None, mask=case.mask,
+    inputs, _, _ = operands.operands([q], [k], v, off, None, None, mask=case.mask,
                                    return_lse=lse, config=pp.MosaicConfig(), interpret=True)
     scalars = np.asarray(inputs[1])
-    assert scalars.shape[0] >= mosaic.SCALAR_LANES and scalars[mosaic._S_NEXT] == 0
-    got.append(scalars[[mosaic._S_LIVE, mosaic._S_TAIL8, mosaic._S_HEAD_MAJOR]])
+    assert scalars.shape[0] >= layout.SCALAR_LANES and scalars[layout.S_NEXT] == 0
+    got.append(scalars[[layout.S_LIVE, layout.S_TAIL8, layout.S_HEAD_MAJOR]])
   np.testing.assert_array_equal(*got)
   assert got[0][0] >= 2  # the two non-empty sequences' items at least
 
 
 @pytest.mark.parametrize("head_major", [0, 1])
-def test_a_forced_dynamic_order_reaches_the_scalars(monkeypatch, head_major):
-  """``DYNAMIC_HEAD_MAJOR`` and ``DYNAMIC_DEAL`` (A/B runs) set the order and deal lanes
+def test_a_forced_dynamic_order_reaches_the_scalars(head_major):
+  """``MosaicOptions.head_major`` and ``deal`` (A/B runs) set the order and deal lanes
   from both builders of the scalars (XLA's, with the LSE; work_items' kernel,
   interpreted, without)."""
-  monkeypatch.setattr(mosaic, "DYNAMIC_HEAD_MAJOR", head_major)
-  monkeypatch.setattr(mosaic, "DYNAMIC_DEAL", 1 - head_major)
+  config = pp.MosaicConfig(options=pp.MosaicOptions(head_major=head_major,
+                                                    deal=1 - head_major))
   case = cases.Case(lens=(100, 0, 37), head_dim=64, heads=4, kv_heads=2)
   (q, k, v, off), _, _ = cases.make_inputs(case, cases.fresh_seed())
   for lse in (True, False):
-    inputs, _, _ = mosaic.operands([q], [k], v, off, None, None, mask=case.mask,
-                                   return_lse=lse, config=pp.MosaicConfig(), interpret=True)
-    assert int(inputs[1][mosaic._S_HEAD_MAJOR]) == head_major
-    assert int(inputs[1][mosaic._S_DEAL]) == 1 - head_major
+    inputs, _, _ = operands.operands([q], [k], v, off, None, None, mask=case.mask,
+                                   return_lse=lse, config=config, interpret=True)
+    assert int(inputs[1][layout.S_HEAD_MAJOR]) == head_major
+    assert int(inputs[1][layout.S_DEAL]) == 1 - head_major
 
 
 def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
@@ -876,25 +897,74 @@ def test_paged_lowers_for_an_h200(backend, page_size, max_prompt_len, expect):
   assert f"custom_call @{other}(" not in text
 
 
-@pytest.fixture
-def fresh_traces():
-  """Entry points traced anew: their jit caches do not key on ``mosaic``'s module flags,
-  and a test that sets one must neither reuse an earlier trace nor leave its own."""
-  jax.clear_caches()
-  yield
-  jax.clear_caches()
+def mosaic_launches(lowered) -> list[tuple[int, int]]:
+  """(threads a block, dynamic shared memory bytes) of each Mosaic GPU kernel of a lowered
+  module, in program order, from the kernels' own modules (as scripts/lowered_ir.py
+  prints them)."""
+  from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+  from jax.extend.mlir import ir as jir  # pylint: disable=g-import-not-at-top
+  modules = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          child = child.operation
+          if child.name == "stablehlo.custom_call" and "mhlo.backend_config" in child.attributes:
+            try:
+              modules.append(jir.StringAttr(
+                  child.attributes["mhlo.backend_config"]["module"]).value_bytes)
+            except (KeyError, ValueError):
+              pass
+          walk(child)
+
+  walk(lowered.compiler_ir("stablehlo").operation)
+  context = jax_mlir.make_ir_context()
+  mgpu.dialect.register_dialect(context)
+  context.allow_unregistered_dialects = True
+  launches = []
+  with context:
+    for data in modules:
+      module = mgpu_core._run_serde_pass(  # pylint: disable=protected-access
+          jir.Module.parse(data), serialize=False)
+      text = module.operation.get_asm(enable_debug_info=False)
+      for m in re.finditer(r"gpu\.launch .*?threads\(.*?\) in \(%\w+ = %c(\d+)\b.*?"
+                           r"dynamic_shared_memory_size %c(\d+)_i32", text):
+        launches.append((int(m.group(1)), int(m.group(2))))
+  return launches
 
 
-def _kernel_calls(monkeypatch):
-  """The keyword arguments of each ``mosaic._kernel`` trace from now on."""
-  calls, kernel = [], mosaic._kernel
+MHA_PARTS = [logits.QkPart(0, 0, 0, 0, 128)]
+MLA_PARTS = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 128, 1, 0, 64, shared_k=True)]
 
-  def spy(*args, **kwargs):
-    calls.append(kwargs)
-    return kernel(*args, **kwargs)
 
-  monkeypatch.setattr(mosaic, "_kernel", spy)
-  return calls
+@pytest.mark.parametrize("problem,parts", [
+    (Lowered(config=pp.MosaicConfig()), MHA_PARTS),
+    (Lowered(lse=True, sink=True, config=pp.MosaicConfig(block_kv=64, num_stages=3)),
+     MHA_PARTS),
+    (Lowered(dtype="float16", output_dtype="float32", lse=True,
+             config=pp.MosaicConfig()), MHA_PARTS),  # two output buffers
+    (Lowered(kind="mla", heads=16, kv_heads=16, config=pp.MosaicConfig()), MLA_PARTS),
+    (Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=pp.MosaicConfig()),
+     MLA_PARTS),  # one output buffer, within 1 KiB of the limit
+    (Lowered(head_dim=256, head_dim_v=256, kv_heads=1, lse=True, output_dtype="float32",
+             config=pp.MosaicConfig(block_kv=64)), [logits.QkPart(0, 0, 0, 0, 256)]),
+    (Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(dynamic=False))), MHA_PARTS),
+    (Lowered(config=SPLIT, lse=True), MHA_PARTS),
+], ids=repr)
+def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
+  """``smem.smem_bytes``, which output buffers, fitted configs and refusals follow, is the
+  dynamic shared memory of the lowered kernel (its ``Scratch`` with Pallas Mosaic GPU's
+  alignment and barriers), and within the H200's limit."""
+  dv = problem.head_dim_v
+  out = jnp.dtype(problem.output_dtype or problem.dtype)
+  want = smem.smem_bytes(parts, dv, jnp.dtype(problem.dtype), out, problem.lse,
+                         problem.config)
+  threads, got = mosaic_launches(problem.lower())[-1]
+  assert got == want <= layout.SMEM_BYTES
+  assert threads == 128 * (4 if smem.splits(problem.config) else 3)
 
 
 @pytest.mark.parametrize("problem", [
@@ -903,40 +973,38 @@ def _kernel_calls(monkeypatch):
             mask=masks.SlidingWindowCausalMask(128)),
     Lowered(config=SPLIT, total_q=40, total_kv=50),  # arrays shorter than a tile
     Lowered(config=SPLIT, total_q=1001, total_kv=1503, mask=masks.NullMask()),
-    Lowered(config=SPLIT, dtype="float16", output_dtype="float32", lse=True),  # one buffer
+    Lowered(config=SPLIT, dtype="float16", output_dtype="float32", lse=True),  # two buffers
+    Lowered(config=SPLIT, kind="mla", heads=16, kv_heads=16),  # one buffer, no LSE
 ], ids=repr)
-def test_split_units_lower_for_an_h200(monkeypatch, fresh_traces, problem):
+def test_split_units_lower_for_an_h200(problem):
   """Split units (four warpgroups: two compute, two producers) pass Mosaic GPU's checks
   for an H200. Their schedule is the shared units' per-warpgroup one (each half runs its
-  own ``_WG_COLS`` tile range, which the emulator above checks), so interpret mode adds
-  nothing it can run; the H200 runs them in tests/test_gpu.py."""
-  calls = _kernel_calls(monkeypatch)
-  assert f"custom_call @{MOSAIC_CALL}(" in problem.lower().as_text()
-  assert [(c["split"], c["block_kv"], c["num_stages"]) for c in calls] == [(True, 64, 2)]
+  own ``layout.WG_COLS`` tile range, which the emulator above checks), so interpret mode
+  adds nothing it can run; the H200 runs them in tests/test_gpu.py."""
+  [*_, (threads, _)] = mosaic_launches(problem.lower())
+  assert threads == 4 * 128
 
 
-def test_split_units_forced_where_they_fit(monkeypatch, fresh_traces):
-  """``SPLIT_UNITS=True`` splits MHA's units, paged ones too, and MLA's without the LSE;
-  with it MLA's buffers do not fit twice, and its units stay shared."""
+def test_split_units_paged_and_mla_with_the_lse():
+  """Split units on a paged cache read the pages in place, and MLA's fit with the LSE
+  (four warpgroups each)."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(mosaic, "SPLIT_UNITS", True)
-  calls = _kernel_calls(monkeypatch)
 
   def fn(q, k_pages, v_pages, off, table, cache):
     k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
     return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend="mosaic_gpu",
-                          interpret=False, return_lse=True)
+                          interpret=False, return_lse=True, config=SPLIT)
 
-  assert f"custom_call @{MOSAIC_CALL}(" in lower_for_h200(fn, *_paged_mha()).as_text()
-  Lowered(kind="mla", heads=16, kv_heads=16).lower()
-  Lowered(kind="mla", heads=16, kv_heads=16, lse=True).lower()
-  assert [(c["split"], c["page_size"], c["out_buffers"]) for c in calls] == [
-      (True, 64, 2), (True, None, 1), (False, None, 2)]
+  [*_, (threads, _)] = mosaic_launches(lower_for_h200(fn, *_paged_mha()))
+  assert threads == 4 * 128
+  [*_, (threads, _)] = mosaic_launches(
+      Lowered(kind="mla", heads=16, kv_heads=16, lse=True, config=SPLIT).lower())
+  assert threads == 4 * 128
 
 
-def test_auto_keeps_paged_shapes_the_table_lacks_on_triton():
+def test_auto_runs_paged_shapes_the_table_lacks_on_mosaic_gpu():
   """A paged call of a shape with no Mosaic GPU entry for the device (MHA at depth 64
-  here) stays on Triton."""
+  here) runs Mosaic GPU on an H200 all the same: only a measured verdict keeps Triton."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s = jax.ShapeDtypeStruct
   pages = s((40, 64, 2, 64), jnp.bfloat16)
@@ -949,8 +1017,8 @@ def test_auto_keeps_paged_shapes_the_table_lacks_on_triton():
                           interpret=False)
 
   text = lower_for_h200(fn, *args).as_text()
-  assert "custom_call @__gpu$xla.gpu.triton(" in text
-  assert f"custom_call @{MOSAIC_CALL}(" not in text
+  assert "custom_call @__gpu$xla.gpu.triton(" not in text
+  assert f"custom_call @{MOSAIC_CALL}(" in text
 
 
 def test_native_paged_operands():
@@ -967,7 +1035,7 @@ def test_native_paged_operands():
   q = jnp.zeros((45, 4, 64), jnp.bfloat16)
   config = pp.MosaicConfig(block_q=64, block_kv=bkv, num_stages=2)
   pages = jnp.asarray(v, jnp.bfloat16)
-  inputs, _, _ = mosaic.operands(
+  inputs, _, _ = operands.operands(
       [q], [pages], pages, jnp.asarray(q_off), None, None, mask=masks.CausalMask(),
       return_lse=False, config=config, paged_cache=(jnp.asarray(cache), 2 * page_size),
       block_table=jnp.asarray(table), interpret=True)
@@ -982,20 +1050,21 @@ def test_native_paged_operands():
     want = np.where((positions < kv_len)[:, None, None], want, 0.0)
     np.testing.assert_array_equal(v_last[b], want)
   live = meta[:int(scalars[0])]
-  q_start = live[:, mosaic._Q_START]
-  np.testing.assert_array_equal(live[:, mosaic._SEQ],
+  q_start = live[:, layout.Q_START]
+  np.testing.assert_array_equal(live[:, layout.SEQ],
                                 np.searchsorted(q_off[1:], q_start, side="right"))
-  assert (live[:, mosaic._KV_START] == 0).all()
+  assert (live[:, layout.KV_START] == 0).all()
 
 
-def test_paged_tiles_span_pages_or_are_cut_to_one(monkeypatch):
-  """With ``TILE_SPANS_PAGES`` a 128-row KV tile reads two 64-row pages; without, the
-  tile is cut to the page. A tile inside a larger page reads one."""
+def test_paged_tiles_span_pages_or_are_cut_to_one():
+  """With ``MosaicOptions.tile_spans_pages`` (the default) a 128-row KV tile reads two
+  64-row pages; without, the tile is cut to the page. A tile inside a larger page reads
+  one."""
   config = pp.MosaicConfig(block_kv=128)
-  assert mosaic.paged_config(config, 64).block_kv == 128
-  assert mosaic.tile_pages(128, 64) == 2 and mosaic.tile_pages(128, 256) == 1
-  monkeypatch.setattr(mosaic, "TILE_SPANS_PAGES", False)
-  assert mosaic.paged_config(config, 64).block_kv == 64
+  assert mosaic_gpu.paged_config(config, 64).block_kv == 128
+  assert layout.tile_pages(128, 64) == 2 and layout.tile_pages(128, 256) == 1
+  cut = dataclasses.replace(config, options=pp.MosaicOptions(tile_spans_pages=False))
+  assert mosaic_gpu.paged_config(cut, 64).block_kv == 64
 
 
 def test_paged_mla_lowers_for_an_h200():

@@ -1,5 +1,5 @@
 """``work_items.build`` (the Mosaic GPU backend's work list in one small Mosaic GPU kernel)
-against XLA's ``mosaic.work_list`` and ``mosaic.head_major_order``, which the emulator in
+against XLA's ``xla_work_list.work_list`` and ``schedule.head_major_order``, which the emulator in
 tests/test_mosaic.py checks against the attention it schedules: the same table, bit for
 bit, and the same scalars. Here in Mosaic GPU's interpret mode (the per-element loads and
 stores as array indexing, no barriers); tests/test_gpu.py runs the same cases compiled on
@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_prefill import masks, mosaic, work_items
+from pallas_prefill import masks
+from pallas_prefill.mosaic_gpu import layout, schedule, work_items
+from pallas_prefill.mosaic_gpu import work_list as xla_work_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,7 @@ WORK_CASES = [
     WorkCase((30, 200, 7), paged=((100, 0, 5000), 512, False), block_kv=64),
     WorkCase(tuple(int(x) for x in _RNG.integers(1, 40, 300)), heads=4, group=2),
     # chunked prefill: few items over long cached prefixes; with dynamic scheduling
-    # (``mosaic.dynamic_schedule``) claimed item-major (MHA's 32 heads in groups of 4),
+    # (``schedule.dynamic_schedule``) claimed item-major (MHA's 32 heads in groups of 4),
     # and dealt K/V-head-major (MLA's 128 heads, a K/V head each)
     WorkCase((512,) * 8, kv_lens=_CHUNKED_KV),
     WorkCase((512,) * 8, kv_lens=_CHUNKED_KV, heads=128, group=1, block_kv=64,
@@ -90,12 +92,12 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   off = jnp.asarray(off)
   kw = dict(mask=case.mask, block_q=case.block_q, block_kv=case.block_kv,
             paged_cache=paged, page_tiles=page_tiles)
-  table, _, kv_end, n_live = mosaic.work_list(off, kv_off, total_q, total_kv, **kw)
+  table, _, kv_end, n_live = xla_work_list.work_list(off, kv_off, total_q, total_kv, **kw)
   programs = min(case.programs, case.heads * table.shape[0])
-  tiles = table[:, mosaic._T_HI] - table[:, mosaic._T_LO]
+  tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
-  head_major, deal = (mosaic.dynamic_schedule(tiles, n_live, **order) if dynamic
-                      else (mosaic.head_major_order(tiles, n_live, **order), 0))
+  head_major, deal = (schedule.dynamic_schedule(tiles, n_live, **order) if dynamic
+                      else (schedule.head_major_order(tiles, n_live, **order), 0))
   bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
   assert work_items.fits(table.shape[0], len(case.lens), bound)
   got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
@@ -106,9 +108,9 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   np.testing.assert_array_equal(got[:table.shape[0]], table)
   tail8 = -1 if page_tiles else int(kv_end) // 8
   assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
-  assert scalars[mosaic._S_DEAL] == int(deal)
-  rest = np.delete(scalars[4:], mosaic._S_DEAL - 4)
-  assert not rest.any()  # mosaic._S_NEXT among them: the claims start at 0
+  assert scalars[layout.S_DEAL] == int(deal)
+  rest = np.delete(scalars[4:], layout.S_DEAL - 4)
+  assert not rest.any()  # layout.S_NEXT among them: the claims start at 0
 
 
 @pytest.mark.parametrize("case", WORK_CASES, ids=lambda c: c.name)
@@ -121,8 +123,8 @@ DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], *WORK_CASES[-2:]]
 
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: c.name)
 def test_work_items_dynamic_order(case):
-  """For dynamic scheduling (``mosaic.DYNAMIC``) the kernel picks the order and whether
-  the units are dealt by ``mosaic.dynamic_schedule``: the same table, and XLA's choice in
+  """For dynamic scheduling (``MosaicOptions.dynamic``) the kernel picks the order and whether
+  the units are dealt by ``schedule.dynamic_schedule``: the same table, and XLA's choice in
   the scalars' lanes."""
   check_work_items(case, interpret=True, dynamic=True)
 
@@ -136,18 +138,18 @@ def test_dynamic_cases_cover_every_schedule():
     kv_off = None if case.kv_lens is None else jnp.asarray(_offsets(case.kv_lens))
     total_q = int(off[-1]) + case.extra_rows
     total_kv = total_q if kv_off is None else int(kv_off[-1])
-    table, _, _, n_live = mosaic.work_list(jnp.asarray(off), kv_off, total_q, total_kv,
+    table, _, _, n_live = xla_work_list.work_list(jnp.asarray(off), kv_off, total_q, total_kv,
                                            mask=case.mask, block_q=case.block_q,
                                            block_kv=case.block_kv)
-    got.add(tuple(int(x) for x in mosaic.dynamic_schedule(
-        table[:, mosaic._T_HI] - table[:, mosaic._T_LO], n_live, num_heads=case.heads,
+    got.add(tuple(int(x) for x in schedule.dynamic_schedule(
+        table[:, layout.T_HI] - table[:, layout.T_LO], n_live, num_heads=case.heads,
         group=case.group, num_programs=min(case.programs, case.heads * table.shape[0]))))
   assert got == {(1, 0), (0, 0), (1, 1)}
 
 
 def test_work_items_check_can_fail(monkeypatch):
   """The comparison sees a kernel gone wrong: prefix scans that return their input."""
-  monkeypatch.setattr(work_items._Ops, "scan", lambda self, x, buf, op, identity: x)
+  monkeypatch.setattr(work_items.Ops, "scan", lambda self, x, buf, op, identity: x)
   with pytest.raises(AssertionError):
     check_work_items(WORK_CASES[0], interpret=True)
 

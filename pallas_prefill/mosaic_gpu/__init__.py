@@ -23,7 +23,7 @@ from pallas_prefill.config import MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
-from pallas_prefill.mosaic_gpu.operands import gathered_pages, operands
+from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
 from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
 
 __all__ = ["fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
@@ -76,12 +76,12 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       page_size = v.shape[1]
       config = paged_config(config, page_size)
     else:
-      gathered, _ = gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
+      gathered, _ = prepare.gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
                                    total_q)
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
   num_kv_heads, v_depth = v.shape[-2:]
   rows = L.COMPUTE_WGS * config.block_q
-  inputs, lse_slot, programs = operands(q_ops, k_ops, v, q_offsets, kv_offsets,
+  inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_offsets,
                                         sink_weights, mask=mask, return_lse=return_lse,
                                         config=config, paged_cache=paged_cache,
                                         block_table=block_table)

@@ -122,8 +122,9 @@ def splits(config: MosaicConfig) -> bool:
 
 def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
                   out_buffers: int) -> int:
+  # (Depths that are no multiple of 64, which the kernel refuses, count whole chunks.)
   return allocated_bytes(scratch(
-      chunks=len(L.column_chunks(parts)), v_chunks=v_depth // L.CHUNK, dtype=dtype,
+      chunks=len(L.column_chunks(parts)), v_chunks=-(-v_depth // L.CHUNK), dtype=dtype,
       out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False))
@@ -134,7 +135,7 @@ def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
   """The 64-column output buffers per compute warpgroup: one per accumulator, or where
   shared memory holds no more (MLA's 192 + 128 with 128-row K/V tiles in two stages), one,
   filled and stored a column chunk at a time."""
-  full = v_depth // L.CHUNK
+  full = -(-v_depth // L.CHUNK)
   if _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
                    full) <= L.SMEM_BYTES:
     return full

@@ -8,7 +8,7 @@ kernel of one warpgroup (``build``), for the sizes where that is fast (``fits``)
 version stays the reference and serves the rest, where the attention itself takes
 milliseconds.
 
-Mosaic GPU's arrays have no gather or scatter, so ``_Ops.gather`` and ``_Ops.scatter`` index a
+Mosaic GPU's arrays have no gather or scatter, so ``Ops.gather`` and ``Ops.scatter`` index a
 shared or global memory ref per element (one load or store per thread and register);
 prefix scans are Hillis-Steele rounds through shared memory, and the sort heaviest first
 is a bitonic sort of (key, item) packed into one int32. In interpret mode (the CPU tests)
@@ -72,7 +72,7 @@ def _iota(n: int):
   return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=_layout(n))
 
 
-class _Ops:
+class Ops:
   """Per-element memory access and the warpgroup barrier, compiled (``inline_mgpu``) or
   in interpret mode (plain arrays)."""
 
@@ -191,7 +191,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   kv_off_ref = refs.pop(0) if kv_given else None
   cache_ref = refs.pop(0) if paged_cap is not None else None
   table_ref, scalar_ref = refs
-  ops = _Ops(interpret)
+  ops = Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
   rows = L.COMPUTE_WGS * block_q
   n_cols = num_columns(page_tiles)
