@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# On the H200 (the device tool runs this from the repo root): the GPU tests (4 processes
+# On the H200 (the device tool runs this from the repo root): the GPU tests (8 processes
 # compile in parallel), then the harness; arguments go to benchmarks.run. Results land in
-# $OUT (or ./h200-out): gpu-tests.log, bench.log, results.json, results.md, results.png.
-# Wheels carried in .whl (tokamax and its dependencies, BUILD_NOTES.md) are installed first.
+# $OUT (or ./h200-out): gpu-tests.log, bench.log, results.json, results.md.
+# H200_PART=tests or H200_PART=bench runs one of the two; H200_TEST_ARGS adds pytest
+# arguments (e.g. "-k mosaic"). Wheels carried in .whl (tokamax and its dependencies,
+# BUILD_NOTES.md) are installed first.
 set -uo pipefail
 out=${OUT:-h200-out}
+part=${H200_PART:-all}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -12,6 +15,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # JAX allocates on demand: torch's anchors share the GPU in the same process.
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark -n 4 2>&1 \
-  | tee "$out/gpu-tests.log" | tail -25
-python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+if [ "$part" != bench ]; then
+  # shellcheck disable=SC2086
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark -n 8 \
+    ${H200_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log" | tail -25
+fi
+if [ "$part" != tests ]; then
+  python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+fi

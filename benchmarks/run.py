@@ -117,21 +117,22 @@ def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0,
       print(f"{tag} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     if rounds == 1:  # reported now, nothing held: the next system's inputs take the memory
-      tag, name, _, _, err, secs = timed.pop()
-      report_row(rows, kind, workload, flops, tag, name, err, secs)
+      tag, name, prepared, _, err, secs = timed.pop()
+      report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend)
   for _ in range(rounds - 1):
     for tag, name, prepared, bench, err, secs in timed:
       time.sleep(rest)
       secs.append(bench(prepared.fn, prepared.arg_sets))
-  for tag, name, _, _, err, secs in timed:
-    report_row(rows, kind, workload, flops, tag, name, err, secs)
+  for tag, name, prepared, _, err, secs in timed:
+    report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend)
 
 
-def report_row(rows, kind, workload, flops, tag, name, err, secs):
-  """Appends the row of one system's timings (seconds per round) and prints it."""
+def report_row(rows, kind, workload, flops, tag, name, err, secs, backend=None):
+  """Appends the row of one system's timings (seconds per round) and prints it; backend:
+  the one the system's call ran, where it picks one (else ``systems.BACKENDS``')."""
   sec = statistics.median(secs)
   row = dict(kernel=kind, workload=workload.name, system=name,
-             backend=sy.BACKENDS.get(name, ""), ms=sec * 1e3,
+             backend=backend or sy.BACKENDS.get(name, ""), ms=sec * 1e3,
              tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
   if len(secs) > 1:
     row["ms_rounds"] = [s * 1e3 for s in secs]

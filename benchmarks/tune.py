@@ -7,7 +7,9 @@ reads (keyed by the device kind).
 
 With --backend mosaic_gpu it sweeps MosaicConfig instead and records, per entry, whether
 the winner beat the Triton kernel's tuned default on the same workloads (what
-backend="auto" follows).
+backend="auto" follows). ``--verdicts OUT.json`` measures both backends' defaults over
+depths 64 to 256, every mask kind, bf16 and f16, short and long prompts (``VERDICT_CASES``):
+where Triton wins, that case's entry gets False.
 
 Each candidate is timed like the harness (benchmarks/run.py) on the workloads of its
 length class (short: short64; long: equal4x4096 and skew16_16k) and must pass the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import pprint
 import sys
@@ -109,6 +112,65 @@ def write_table(path, table, mosaic_table=None) -> None:
     f.write("\n".join(lines) + "\n")
 
 
+# ``--verdicts``: the cases whose backend="auto" choice is measured (default configs of
+# both backends): (kind, qk depth, v depth, dtype, mask).
+VERDICT_MASKS = (pp.masks.CausalMask(), pp.masks.NullMask(),
+                 pp.masks.SlidingWindowCausalMask(1024), pp.masks.ChunkedCausalMask(1024))
+VERDICT_CASES = (
+    [("mha", 128, 128, "bfloat16", m) for m in VERDICT_MASKS]
+    + [("mla", 192, 128, "bfloat16", m) for m in VERDICT_MASKS]
+    + [("mha", d, d, "bfloat16", m) for d in (64, 256) for m in VERDICT_MASKS[::2]]
+    + [("mha", 128, 128, "float16", VERDICT_MASKS[0]), ("mla", 192, 128, "float16",
+                                                         VERDICT_MASKS[0])])
+VERDICT_LENGTHS = {False: wl.WORKLOADS["short64"].q_lens, True: (4096,) * 4}  # long?
+
+
+def _verdict_problem(kind, qk, v, dtype, lens, seed):
+  """A ragged batch of `lens` at these depths and dtype (MHA 32/8 heads; MLA 128 + 64
+  rope over 16 heads, so that short and long cases compile and run in seconds)."""
+  keys = iter(jax.random.split(jax.random.key(seed), 5))
+  total = sum(lens)
+  normal = lambda *shape: jax.random.normal(next(keys), shape, dtype)  # noqa: E731
+  if kind == "mha":
+    return (normal(total, 32, qk), normal(total, 8, qk), normal(total, 8, v))
+  return (normal(total, 16, qk), normal(total, 16, qk - 64), normal(total, 1, 64),
+          normal(total, 16, v))
+
+
+def verdicts(cases=VERDICT_CASES, lengths=VERDICT_LENGTHS) -> list[dict]:
+  """Each case's useful TFLOP/s on both backends' default configs (correct against the
+  float32 reference), and whether Mosaic GPU won: what ``TUNED_MOSAIC``'s last field
+  records and ``backend="auto"`` follows."""
+  rows = []
+  for (kind, qk, v, dtype, mask), (long, lens) in itertools.product(cases, lengths.items()):
+    ops = _verdict_problem(kind, qk, v, jnp.dtype(dtype), lens, seed=len(rows))
+    off = jnp.asarray(wl.offsets(lens), jnp.int32)
+    entry = pp.mha_prefill if kind == "mha" else pp.mla_prefill
+    ref_fn = pp.reference.mha_prefill_reference if kind == "mha" else (
+        pp.reference.mla_prefill_reference)
+    kw = dict(max_prompt_len=max(lens), mask=mask)
+    ref = ref_fn(*[x.astype(jnp.float32) for x in ops], off, **kw)
+    flops = wl.useful_flops(lens, ops[0].shape[1], qk, v, mask=mask)
+    row = dict(kind=kind, qk=qk, v=v, dtype=dtype, mask=repr(mask), long=long)
+    for backend in ("triton", "mosaic_gpu"):
+      fn = jax.jit(lambda *a, backend=backend: entry(*a, off, backend=backend, **kw))
+      try:
+        out = fn(*ops)
+        err = run.rel_err(out, ref)
+        sec = run.bench_jax(fn, [ops], rounds=3, reps=10)
+        row[backend] = flops / sec / 1e12 if err < run.TOLERANCE else 0.0
+        row[backend + "_err"] = float(err)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"  {row} {backend}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        row[backend] = 0.0
+    row["mosaic_faster"] = row["mosaic_gpu"] > row["triton"]
+    lowered = jax.jit(lambda *a: entry(*a, off, **kw)).lower(*ops).as_text()
+    row["auto"] = "mosaic_gpu" if "custom_call @mosaic_gpu" in lowered else "triton"
+    print(row, flush=True)
+    rows.append(row)
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernels", nargs="*", default=["mha", "mla"], choices=["mha", "mla"])
@@ -117,7 +179,18 @@ def main(argv=None):
   parser.add_argument("--mosaic-configs", nargs="*", type=mosaic_config, default=MOSAIC_SWEEP,
                       metavar="BKVxSTAGES",
                       help="the MosaicConfigs to sweep (block_kv x num_stages, persistent)")
+  parser.add_argument("--verdicts", metavar="JSON", help="measure both backends' defaults "
+                      "on VERDICT_CASES (what backend='auto' picks) and write the rows here")
   args = parser.parse_args(argv)
+  if args.verdicts:
+    rows = verdicts()
+    with open(args.verdicts, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    print("| kind | qk/v | dtype | mask | long | Triton | Mosaic GPU | auto runs |")
+    for r in rows:
+      print(f"| {r['kind']} | {r['qk']}/{r['v']} | {r['dtype']} | {r['mask']} | {r['long']} "
+            f"| {r['triton']:.0f} | {r['mosaic_gpu']:.0f} | {r['auto']} |")
+    return 0
   mosaic = args.backend == "mosaic_gpu"
   device = jax.devices()[0].device_kind
   table = {k: dict(v) for k, v in (tuned.TUNED_MOSAIC if mosaic else tuned.TUNED).items()}

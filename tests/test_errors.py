@@ -248,11 +248,11 @@ STATIC_CASES = [
          r"^output_dtype must be bfloat16, float16, float32 or None, got .*\bfloat64\b"),
     # Config and interpret.
     case("config_dict", valid(config=dict(block_q=64)), TypeError,
-         r"^config must be a pallas_prefill\.MhaConfig or None for backend='triton', got "
-         r"\{'block_q': 64\}"),
+         r"^config must be a pallas_prefill\.MhaConfig \(Triton\) or MosaicConfig \(Mosaic "
+         r"GPU\) or None for backend='auto', got \{'block_q': 64\}"),
     case("config_string", valid(config="default"), TypeError,
-         r"^config must be a pallas_prefill\.MhaConfig or None for backend='triton', got "
-         r"'default'"),
+         r"^config must be a pallas_prefill\.MhaConfig \(Triton\) or MosaicConfig \(Mosaic "
+         r"GPU\) or None for backend='auto', got 'default'"),
     case("interpret_string", valid(interpret="yes"), TypeError,
          r"^interpret must be None, True or False, got 'yes'"),
 ]
