@@ -85,7 +85,8 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
   if config is not None and not isinstance(config, config_type or (MhaConfig, MosaicConfig)):
     want = {MhaConfig: "a pallas_prefill.MhaConfig", MosaicConfig:
             "a pallas_prefill.MosaicConfig"}.get(config_type,
-                                                   "an MhaConfig or a MosaicConfig")
+                                                   "a pallas_prefill.MhaConfig (Triton) or "
+                                                   "MosaicConfig (Mosaic GPU)")
     raise TypeError(f"config must be {want} or None for backend={backend!r}, got "
                     f"{config!r}")
   if interpret not in (None, True, False):

@@ -147,7 +147,8 @@ class Problem:
       return pp.mha_prefill(
           q, k, v, offsets, kv_input_row_offsets=kv_offsets, sink_weights=sink_weights,
           max_prompt_len=self.max_prompt_len, mask=self.mask, return_lse=self.lse,
-          output_dtype=self.output_dtype, config=self.config, interpret=False)
+          output_dtype=self.output_dtype, config=self.config, interpret=False,
+          backend="triton")
     return attention
 
   def lower(self):

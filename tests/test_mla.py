@@ -87,7 +87,7 @@ def test_lowers_for_h200(shape, mask):
   def fn(q, k_nope, k_rope, v, offsets, kv_offsets):
     return pp.mla_prefill(q, k_nope, k_rope, v, offsets, kv_input_row_offsets=kv_offsets,
                           max_prompt_len=max_len, mask=mask, return_lse=True,
-                          interpret=False)
+                          interpret=False, backend="triton")
 
   lowered = lower_for_h200(fn, *args)
   [call] = triton_calls(lowered)

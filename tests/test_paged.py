@@ -202,7 +202,7 @@ def test_paged_lowers_for_h200(kind, page_size):
   else:
     args = (S((2048, 16, 192), bf16), paged(16, 128), paged(1, 64), paged(16, 128))
     kernel = pp.mla_prefill
-  fn = lambda *a: kernel(*a, max_prompt_len=512, interpret=False)
+  fn = lambda *a: kernel(*a, max_prompt_len=512, interpret=False, backend="triton")
   lowered = lower_for_h200(fn, *args, S((5,), jnp.int32))
   [call] = triton_calls(lowered)
   assert call.name == KERNEL_NAME and call.grid[2] == 4
