@@ -1,8 +1,10 @@
 """pallas_prefill: ragged-batch attention prefill kernels for JAX on NVIDIA GPUs.
 
-The kernels are Pallas GPU kernels: the Triton lowering (``pallas_prefill.ragged``, the
-default backend) and Mosaic GPU for Hopper (``pallas_prefill.mosaic``, ``backend=
-"mosaic_gpu"``); each kernel body is shared by MHA and MLA.
+The entry points (``mha_prefill``, ``mla_prefill``) validate their arguments and hand the
+logits' terms to ``pallas_prefill.dispatch``, which picks a backend: the Pallas Mosaic GPU
+kernel on Hopper (``pallas_prefill.mosaic_gpu``, the default there) or the Pallas Triton
+kernel (``pallas_prefill.triton``) on any NVIDIA GPU and in interpret mode. Each kernel
+body is shared by MHA and MLA; ``pallas_prefill.reference`` defines the results.
 """
 
 from pallas_prefill import masks

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_prefill as pp
+from pallas_prefill import config as config_lib
 
 # The Pallas Triton backend is deprecated in favour of Mosaic GPU (JAX 0.11); its warnings
 # are expected here.
@@ -91,7 +92,10 @@ def main() -> int:
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
   interpret = jax.default_backend() == "cpu"  # what mha_prefill's interpret=None picks
-  mode = "Pallas interpreter" if interpret else "compiled"
+  if interpret:
+    mode = "the Pallas interpreter (Triton kernel)"
+  else:  # what backend="auto" picks for bf16 at these depths
+    mode = "compiled, " + ("Mosaic GPU" if config_lib.is_hopper() else "Triton") + " kernel"
   print(f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0]}), "
         f"{mode}, seed {seed}")
   calls = 5 if interpret else 20

@@ -23,12 +23,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-direct-tensorflow-import
-from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-import pallas_prefill as pp
-from pallas_prefill import masks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pallas_prefill as pp  # noqa: E402
+from pallas_prefill import masks  # noqa: E402
+from tests import lowered as lowered_lib  # noqa: E402
 
 H200_MESH = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
@@ -142,49 +142,14 @@ def cases():
 _EMBEDDED = re.compile(r'(kernel_hash|module|ir) = "(?:[^"\\]|\\.)*"')
 
 
-def _embedded_modules(module) -> list[tuple[str, bytes]]:
-  """(kind, bytes) of every custom call's embedded kernel module, in program order."""
-  found = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for child in block.operations:
-          child = child.operation
-          if child.name == "stablehlo.custom_call" and "mhlo.backend_config" in child.attributes:
-            cfg = child.attributes["mhlo.backend_config"]
-            for key in ("module", "ir"):
-              try:
-                found.append((key, ir.StringAttr(cfg[key]).value_bytes))
-              except (KeyError, ValueError):
-                pass
-          walk(child)
-
-  walk(module.operation)
-  return found
-
-
 def canonical_text(fn, args) -> str:
   with use_abstract_mesh(H200_MESH):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   module = lowered.compiler_ir("stablehlo")
   parts = [_EMBEDDED.sub(r'\1 = "<embedded>"',
                          module.operation.get_asm(enable_debug_info=False))]
-  for kind, data in _embedded_modules(module):
-    if kind == "ir":  # Triton's dialects live in their own context
-      from jax._src.pallas.triton import lowering as tl  # pylint: disable=g-import-not-at-top
-      context = tl._new_ir_context()  # pylint: disable=protected-access
-    else:
-      from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
-      from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
-      context = jax_mlir.make_ir_context()
-      mgpu.dialect.register_dialect(context)
-      context.allow_unregistered_dialects = True
-    with context:
-      parsed = ir.Module.parse(data)
-      if kind == "module":  # Mosaic GPU serializes to its stable dialect: undo that
-        parsed = mgpu_core._run_serde_pass(parsed, serialize=False)  # pylint: disable=protected-access
-      parts.append(parsed.operation.get_asm(enable_debug_info=False))
+  parts += [lowered_lib.kernel_text(kind, data)
+            for kind, data in lowered_lib.kernel_modules(module)]
   return "\n// ---- embedded kernel module ----\n".join(parts)
 
 

@@ -25,6 +25,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
 from pallas_prefill import masks
+from tests import lowered as lowered_lib
 
 H200 = "NVIDIA H200"
 TRITON_CALL_TARGET = plt.CUSTOM_CALL_TARGET_NAME  # "__gpu$xla.gpu.triton"
@@ -62,24 +63,15 @@ class TritonCall:
 def triton_calls(lowered) -> list[TritonCall]:
   """The Triton custom calls of a lowered module, in program order."""
   calls = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for child in block.operations:
-          child = child.operation
-          if (child.name == "stablehlo.custom_call" and
-              ir.StringAttr(child.attributes["call_target_name"]).value == TRITON_CALL_TARGET):
-            cfg = child.attributes["mhlo.backend_config"]
-            i32 = lambda key: ir.IntegerAttr(cfg[key]).value  # noqa: E731
-            calls.append(TritonCall(
-                name=ir.StringAttr(cfg["name"]).value, num_warps=i32("num_warps"),
-                num_stages=i32("num_stages"),
-                grid=(i32("grid_x"), i32("grid_y"), i32("grid_z")),
-                ir_bytecode=ir.StringAttr(cfg["ir"]).value_bytes))
-          walk(child)
-
-  walk(lowered.compiler_ir("stablehlo").operation)
+  for call in lowered_lib.custom_calls(lowered.compiler_ir("stablehlo")):
+    if ir.StringAttr(call.attributes["call_target_name"]).value != TRITON_CALL_TARGET:
+      continue
+    cfg = call.attributes["mhlo.backend_config"]
+    i32 = lambda key: ir.IntegerAttr(cfg[key]).value  # noqa: E731
+    calls.append(TritonCall(
+        name=ir.StringAttr(cfg["name"]).value, num_warps=i32("num_warps"),
+        num_stages=i32("num_stages"), grid=(i32("grid_x"), i32("grid_y"), i32("grid_z")),
+        ir_bytecode=ir.StringAttr(cfg["ir"]).value_bytes))
   return calls
 
 

@@ -35,6 +35,7 @@ from pallas_prefill import constants, logits, masks, mosaic_gpu
 from pallas_prefill.mosaic_gpu import kernel as mosaic_kernel
 from pallas_prefill.mosaic_gpu import layout, operands, schedule, smem
 from pallas_prefill.mosaic_gpu import work_list as xla_work_list
+from tests import lowered as lowered_lib
 from tests import cases
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
@@ -904,40 +905,15 @@ def test_paged_lowers_for_an_h200(backend, page_size, max_prompt_len, expect):
 
 def mosaic_launches(lowered) -> list[tuple[int, int]]:
   """(threads a block, dynamic shared memory bytes) of each Mosaic GPU kernel of a lowered
-  module, in program order, from the kernels' own modules (as scripts/lowered_ir.py
-  prints them)."""
-  from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
-  from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
-  from jax.extend.mlir import ir as jir  # pylint: disable=g-import-not-at-top
-  modules = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for child in block.operations:
-          child = child.operation
-          if child.name == "stablehlo.custom_call" and "mhlo.backend_config" in child.attributes:
-            try:
-              modules.append(jir.StringAttr(
-                  child.attributes["mhlo.backend_config"]["module"]).value_bytes)
-            except (KeyError, ValueError):
-              pass
-          walk(child)
-
-  walk(lowered.compiler_ir("stablehlo").operation)
-  context = jax_mlir.make_ir_context()
-  mgpu.dialect.register_dialect(context)
-  context.allow_unregistered_dialects = True
+  module, in program order, read from the kernels' own modules."""
   launches = []
-  with context:
-    for data in modules:
-      module = mgpu_core._run_serde_pass(  # pylint: disable=protected-access
-          jir.Module.parse(data), serialize=False)
-      text = module.operation.get_asm(enable_debug_info=False)
-      for m in re.finditer(r"gpu\.launch .*?threads\(.*?\) in \(%\w+ = %c(\d+)\b.*?"
-                           r"dynamic_shared_memory_size %c(\d+)_i32", text):
-        launches.append((int(m.group(1)), int(m.group(2))))
+  for kind, data in lowered_lib.kernel_modules(lowered.compiler_ir("stablehlo")):
+    if kind != "module":
+      continue
+    text = lowered_lib.kernel_text(kind, data)
+    for m in re.finditer(r"gpu\.launch .*?threads\(.*?\) in \(%\w+ = %c(\d+)\b.*?"
+                         r"dynamic_shared_memory_size %c(\d+)_i32", text):
+      launches.append((int(m.group(1)), int(m.group(2))))
   return launches
 
 
@@ -1087,3 +1063,21 @@ def test_paged_mla_lowers_for_an_h200():
                         s((6,), jnp.int32), s((5, 12), jnp.int32),
                         s((5,), jnp.int32)).as_text()
   assert f"custom_call @{MOSAIC_CALL}(" in text
+
+
+@pytest.mark.parametrize("device_kind,expect", [
+    ("NVIDIA H100 80GB HBM3", MOSAIC_CALL), ("NVIDIA A100-SXM4-80GB", "__gpu$xla.gpu.triton"),
+    ("NVIDIA L4", "__gpu$xla.gpu.triton")])
+def test_the_default_backend_follows_the_gpu(device_kind, expect):
+  """The default call lowered for other GPUs: Mosaic GPU on Hopper, Triton on others."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=g-import-not-at-top
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind=device_kind, num_cores=None, platform="gpu"))
+  s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  args = (s((1000, 8, 128), bf), s((1000, 2, 128), bf), s((1000, 2, 128), bf),
+          s((6,), jnp.int32))
+  fn = lambda q, k, v, o: pp.mha_prefill(q, k, v, o, max_prompt_len=4096,  # noqa: E731
+                                         interpret=False)
+  with use_abstract_mesh(mesh):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert f"custom_call @{expect}(" in text

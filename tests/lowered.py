@@ -1,0 +1,61 @@
+"""What a lowered module holds: its custom calls, and its kernels' own modules (Triton IR,
+Mosaic GPU MLIR) printed as text without locations. Shared by the lowering tests and
+``scripts/lowered_ir.py``."""
+
+from __future__ import annotations
+
+from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-direct-tensorflow-import
+from jax.extend.mlir import ir
+
+
+def custom_calls(module) -> list:
+  """The ``stablehlo.custom_call`` operations of a lowered module (``compiler_ir``), in
+  program order, nested regions included."""
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          child = child.operation
+          if child.name == "stablehlo.custom_call":
+            found.append(child)
+          walk(child)
+
+  walk(module.operation)
+  return found
+
+
+def kernel_modules(module) -> list[tuple[str, bytes]]:
+  """(kind, bytes) of each custom call's embedded kernel: kind "ir" (Triton) or "module"
+  (Mosaic GPU), in program order."""
+  found = []
+  for call in custom_calls(module):
+    if "mhlo.backend_config" not in call.attributes:
+      continue
+    cfg = call.attributes["mhlo.backend_config"]
+    for key in ("module", "ir"):
+      try:
+        found.append((key, ir.StringAttr(cfg[key]).value_bytes))
+      except (KeyError, ValueError):
+        pass
+  return found
+
+
+def kernel_text(kind: str, data: bytes) -> str:
+  """An embedded kernel module printed without locations (Mosaic GPU's deserialized from
+  its stable dialect first)."""
+  if kind == "ir":  # Triton's dialects live in their own context
+    from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
+    context = triton_lowering._new_ir_context()  # pylint: disable=protected-access
+  else:
+    from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+    context = jax_mlir.make_ir_context()
+    mgpu.dialect.register_dialect(context)
+    context.allow_unregistered_dialects = True
+  with context:
+    parsed = ir.Module.parse(data)
+    if kind == "module":
+      from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+      parsed = mgpu_core._run_serde_pass(parsed, serialize=False)  # pylint: disable=protected-access
+    return parsed.operation.get_asm(enable_debug_info=False)
