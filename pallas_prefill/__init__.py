@@ -17,6 +17,7 @@ from pallas_prefill.paged import PagedKV
 from pallas_prefill.validation import validate_offsets
 
 __all__ = [
-    "MhaConfig", "MosaicConfig", "MosaicOptions", "PagedKV", "masks", "mha_prefill", "mla_prefill", "paged",
+    "MhaConfig", "MosaicConfig", "MosaicOptions", "PagedKV", "masks", "mha_prefill",
+    "mla_prefill", "paged",
     "reference", "validate_offsets",
 ]

@@ -102,7 +102,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                        f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
-  return _mha_prefill(
+  return jitted_mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
       **dispatch.static_options(
           q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
@@ -111,18 +111,23 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
-def _mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, **static):
+def jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
+                       **static):
+  """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
+  split over head shards where the operands are sharded (``partitioning``)."""
   hp = partitioning
   return hp.head_parallel(
-      _mha_impl, (q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights),
+      mha_on_shards, (q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights),
       roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, hp.SINK_HEADS),
       out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
       num_heads=q.shape[1], num_kv_heads=k.shape[-2], **static)
 
 
-def _mha_impl(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
-              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
-              backend):
+def mha_on_shards(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
+                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
+                  backend):
+  """One head shard's call (all heads when unsharded): the logits' terms, then
+  ``dispatch.ragged_attention``."""
   qk_depth = logits.padded_depth(q.shape[-1])
   k, v, paged = logits.unpage(k, v)
   return dispatch.ragged_attention(

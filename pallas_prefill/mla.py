@@ -85,7 +85,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     val.check_head_dim(name, d)
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k_nope)
-  return _mla_prefill(
+  return jitted_mla_prefill(
       q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
       **dispatch.static_options(
           q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
@@ -94,18 +94,23 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
-def _mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, **static):
+def jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
+                       **static):
+  """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
+  split over head shards where the operands are sharded (``partitioning``)."""
   hp = partitioning
   return hp.head_parallel(
-      _mla_impl, (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets),
+      mla_on_shards, (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets),
       roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None),
       out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
       num_heads=q.shape[1], num_kv_heads=k_nope.shape[-2], **static)
 
 
-def _mla_impl(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
-              max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
-              backend):
+def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
+                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
+                  backend):
+  """One head shard's call (all heads when unsharded): the logits' terms, then
+  ``dispatch.ragged_attention``."""
   k_nope, k_rope, v, paged = logits.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
   w_nope, w_rope = logits.padded_depth(d_nope), logits.padded_depth(d_rope)

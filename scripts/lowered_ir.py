@@ -81,7 +81,8 @@ def _mla(backend, *, total_q=1000, heads=16, d=128, rope=64, dv=128, paged=None,
 
 
 MASKS = {"causal": masks.CausalMask(), "null": masks.NullMask(),
-         "sliding128": masks.SlidingWindowCausalMask(128), "chunked256": masks.ChunkedCausalMask(256)}
+         "sliding128": masks.SlidingWindowCausalMask(128),
+         "chunked256": masks.ChunkedCausalMask(256)}
 
 
 def cases():

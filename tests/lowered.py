@@ -46,7 +46,8 @@ def kernel_text(kind: str, data: bytes) -> str:
   """An embedded kernel module printed without locations (Mosaic GPU's deserialized from
   its stable dialect first)."""
   if kind == "ir":  # Triton's dialects live in their own context
-    from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.pallas.triton import lowering as triton_lowering
     context = triton_lowering._new_ir_context()  # pylint: disable=protected-access
   else:
     from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
@@ -56,6 +57,8 @@ def kernel_text(kind: str, data: bytes) -> str:
   with context:
     parsed = ir.Module.parse(data)
     if kind == "module":
-      from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
-      parsed = mgpu_core._run_serde_pass(parsed, serialize=False)  # pylint: disable=protected-access
+      # pylint: disable-next=g-import-not-at-top
+      from jax.experimental.mosaic.gpu import core as mgpu_core
+      # pylint: disable-next=protected-access
+      parsed = mgpu_core._run_serde_pass(parsed, serialize=False)
     return parsed.operation.get_asm(enable_debug_info=False)

@@ -31,7 +31,7 @@ def no_kernel(monkeypatch):
   def reached(*args, **kwargs):
     raise KernelReached
 
-  monkeypatch.setattr(mha_lib, "_mha_prefill", reached)
+  monkeypatch.setattr(mha_lib, "jitted_mha_prefill", reached)
   monkeypatch.setattr(dispatch, "ragged_attention", reached)
 
 

@@ -59,7 +59,7 @@ def test_bad_input_raises_before_the_kernel(monkeypatch, changes, exc, match):
   def reached(*args, **kwargs):
     raise AssertionError("the kernel was reached")
 
-  monkeypatch.setattr(mla_lib, "_mla_prefill", reached)
+  monkeypatch.setattr(mla_lib, "jitted_mla_prefill", reached)
   with pytest.raises(exc, match=match):
     pp.mla_prefill(**operands(**changes))
 

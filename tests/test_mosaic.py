@@ -1070,7 +1070,8 @@ def test_paged_mla_lowers_for_an_h200():
     ("NVIDIA L4", "__gpu$xla.gpu.triton")])
 def test_the_default_backend_follows_the_gpu(device_kind, expect):
   """The default call lowered for other GPUs: Mosaic GPU on Hopper, Triton on others."""
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind=device_kind, num_cores=None, platform="gpu"))
   s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
