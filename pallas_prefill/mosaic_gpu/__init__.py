@@ -32,8 +32,8 @@ __all__ = ["fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reaso
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
                        config: MosaicConfig) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
-  need no check: pages of ``L.MIN_NATIVE_PAGE`` rows or more are read in place, smaller
-  ones gathered first (``gathered_pages``)."""
+  need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place, smaller
+  ones gathered first (``operands.gathered_pages``)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
   for w in [p.width for p in parts] + [v_depth]:

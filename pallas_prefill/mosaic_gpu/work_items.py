@@ -319,7 +319,7 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
   that run, the last key's 8-row group, the unit order for ``num_programs`` programs
   (``head_major_order``'s for the static deal; with ``dynamic``, ``dynamic_schedule``'s,
-  whose second part goes to lane ``L.S_DEAL``), and the end of the last sequence's
+  whose second part goes to lane ``layout.S_DEAL``), and the end of the last sequence's
   keys; the rest zeros). Only where ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q)

@@ -34,7 +34,7 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
                  page_tiles):
-  """The per-item table columns up to ``L.META_COLS`` (a list of int32 arrays, one value
+  """The per-item table columns up to ``layout.META_COLS`` (a list of int32 arrays, one value
   per item) from each item's sequence (its query start and length, its K/V start and
   length: zeros for items that run nothing) and first row (absolute, a multiple of 8).
   Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
