@@ -85,6 +85,9 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   """
   if backend == "triton":
     return None
+  if backend == "auto" and not isinstance(config, MosaicConfig) and (
+      interpret or isinstance(config, MhaConfig) or not is_hopper()):
+    return None  # Triton, with no Mosaic GPU config to plan (the CPU's tests trace often)
   qk = sum(p.width for p in parts)
   if isinstance(config, MosaicConfig):
     mosaic_config = config
@@ -100,11 +103,9 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
       which = "backend='mosaic_gpu'" if backend == "mosaic_gpu" else "a MosaicConfig"
       raise NotImplementedError(f"{which} cannot run this call: {reason}")
     return mosaic_config
-  # "auto"
-  if interpret or reason is not None or isinstance(config, MhaConfig):
-    return None
-  if not is_hopper() or prefers_triton(qk, v.shape[-1], v.dtype, mask, max_prompt_len,
-                                       paged=paged is not None):
+  # "auto" on a Hopper GPU, compiled
+  if reason is not None or prefers_triton(qk, v.shape[-1], v.dtype, mask, max_prompt_len,
+                                          paged=paged is not None):
     return None
   return mosaic_config
 
