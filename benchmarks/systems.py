@@ -213,9 +213,14 @@ def pallas_prefill_default(problems):
   """Ours as the README calls it, with no backend argument and no config (``"auto"``):
   the backend column says which kernel the call ran, read from its lowered program."""
   prepared = _pallas(problems, paged=problems[0].paged is not None, backend=None)
-  text = prepared.fn.lower(*prepared.arg_sets[0]).as_text()
-  ran = "mosaic_gpu" if "custom_call @mosaic_gpu" in text else "triton"
+  ran = backend_ran(prepared.fn, *prepared.arg_sets[0])
   return dataclasses.replace(prepared, backend=f"auto: {ran}")
+
+
+def backend_ran(fn, *args) -> str:
+  """Which of our kernels the jitted ``fn`` runs on ``args``: "mosaic_gpu" where its
+  lowered program calls a Mosaic GPU kernel, else "triton"."""
+  return "mosaic_gpu" if "custom_call @mosaic_gpu" in fn.lower(*args).as_text() else "triton"
 
 
 def pallas_prefill_mosaic(problems, mosaic_options=None):

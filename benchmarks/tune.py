@@ -170,8 +170,7 @@ def verdicts(cases=VERDICT_CASES, lengths=VERDICT_LENGTHS) -> list[dict]:
         print(f"  {row} {backend}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         row[backend] = 0.0
     row["mosaic_faster"] = row["mosaic_gpu"] > row["triton"]
-    lowered = jax.jit(lambda *a: entry(*a, off, **kw)).lower(*ops).as_text()
-    row["auto"] = "mosaic_gpu" if "custom_call @mosaic_gpu" in lowered else "triton"
+    row["auto"] = sy.backend_ran(jax.jit(lambda *a: entry(*a, off, **kw)), *ops)
     print(row, flush=True)
     rows.append(row)
   return rows

@@ -130,22 +130,27 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False))
 
 
+def _plan(parts, v_depth, dtype, output_dtype, return_lse,
+          config: MosaicConfig) -> tuple[int, int]:
+  """(output buffers, shared memory bytes) of the kernel for these operands and tiles."""
+  full = -(-v_depth // L.CHUNK)
+  need = _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config, full)
+  if need <= L.SMEM_BYTES:
+    return full, need
+  return 1, _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config, 1)
+
+
 def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
                    config: MosaicConfig) -> int:
   """The 64-column output buffers per compute warpgroup: one per accumulator, or where
   shared memory holds no more (MLA's 192 + 128 with 128-row K/V tiles in two stages), one,
   filled and stored a column chunk at a time."""
-  full = -(-v_depth // L.CHUNK)
-  if _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
-                   full) <= L.SMEM_BYTES:
-    return full
-  return 1
+  return _plan(parts, v_depth, dtype, output_dtype, return_lse, config)[0]
 
 
 def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
   """Shared memory the kernel allocates for these operands and tiles."""
-  return _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
-                       output_buffers(parts, v_depth, dtype, output_dtype, return_lse, config))
+  return _plan(parts, v_depth, dtype, output_dtype, return_lse, config)[1]
 
 
 def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
