@@ -6,6 +6,8 @@ This is the only module that imports the backends; they import nothing above the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -19,10 +21,10 @@ from pallas_prefill.logits import pad_depth, padded_depth
 MAX_GRID_DIM = triton_backend.MAX_GRID_DIM
 
 
-def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                      max_prompt_len, mask, scale, output_dtype, return_lse,
                      config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
-                     backend: str = "auto"):
+                     backend: str = "auto", logits_soft_cap=None, top_left=False):
   """Runs the ragged attention kernel of the chosen backend on validated operands.
 
   Args:
@@ -31,14 +33,22 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
       [num_pages, page_size, num_kv_heads or 1, depth_i].
     v: [total_kv, num_kv_heads, v_depth] (paged: [num_pages, page_size, ...]); a v_depth
       that is not a power of two is padded here and the output sliced back.
-    q_offsets, kv_offsets: [batch + 1] int32 or uint32; kv_offsets may be None (K/V
-      packed like Q, or paged).
+    q_offsets: [batch + 1] int32 or uint32: sequence b's queries are rows
+      [q_offsets[b], q_offsets[b + 1]) (a sequence without keys is a run of padding rows:
+      zeros).
+    kv_rows: None (K/V packed like Q, or paged), or (kv_starts, kv_ends), each [batch]
+      int32 or uint32: sequence b's keys are rows [kv_starts[b], kv_ends[b]), anywhere in
+      the K/V arrays (``logits.kv_rows`` makes them from cumulative offsets).
     paged: None, or (block_table [batch, max_pages] int32, cache_lengths [batch] int32)
       when the K/V operands are pages.
     sink_weights: [num_heads] or None.
     parts: the ``QkPart`` terms whose sum forms the logits; their widths are powers of two.
     config: None picks the tuned default of the backend that runs.
     backend: "auto", "triton" or "mosaic_gpu" (see ``select_backend``).
+    logits_soft_cap: None, or the cap c > 0 of ``c * tanh(logits / c)`` (after the scale,
+      before the mask).
+    top_left: query i of every sequence sits at position i (``jax.nn``'s causal mask)
+      instead of kv_len - q_len + i.
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
@@ -57,15 +67,18 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, pa
   v = pad_depth(v, padded_depth(v_depth))
   mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
                                  max_prompt_len, config, interpret)
-  kw = dict(parts=parts, mask=mask, scale=scale, output_dtype=output_dtype,
-            return_lse=return_lse, paged=paged)
+  kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
+            paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:
-    out = mosaic_gpu.ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets,
-                                           sink_weights, config=mosaic_config, **kw)
+    q_ops, k_ops, parts = mosaic_operands(q_ops, k_ops, parts)
+    v = pad_depth(v, mosaic_depth(v.shape[-1]))
+    out = mosaic_gpu.ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows,
+                                           sink_weights, parts=parts, config=mosaic_config,
+                                           **kw)
   else:
     out = triton_backend.ragged_attention_triton(
-        q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, max_prompt_len=max_prompt_len,
-        config=config, interpret=interpret, **kw)
+        q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, parts=parts,
+        max_prompt_len=max_prompt_len, config=config, interpret=interpret, **kw)
   if return_lse:
     return out[0][..., :v_depth], out[1]
   return out[..., :v_depth]
@@ -88,6 +101,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   if backend == "auto" and not isinstance(config, MosaicConfig) and (
       interpret or isinstance(config, MhaConfig) or not is_hopper()):
     return None  # Triton, with no Mosaic GPU config to plan (the CPU's tests trace often)
+  parts = [dataclasses.replace(p, width=mosaic_depth(p.width)) for p in parts]
+  v = jax.ShapeDtypeStruct(v.shape[:-1] + (mosaic_depth(v.shape[-1]),), v.dtype)
   qk = sum(p.width for p in parts)
   if isinstance(config, MosaicConfig):
     mosaic_config = config
@@ -110,6 +125,29 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   return mosaic_config
 
 
+def mosaic_depth(width: int) -> int:
+  """The depth a term (or V) of the given width runs at on Mosaic GPU: a multiple of 64
+  (``mosaic_gpu.layout.CHUNK``, its buffers' columns); the rest is zero padding."""
+  return -(-width // mosaic_gpu.CHUNK) * mosaic_gpu.CHUNK
+
+
+def mosaic_operands(q_ops, k_ops, parts):
+  """The Q and K operands and terms with every term's width a multiple of 64 for Mosaic
+  GPU: a term narrower than that (MiniCPM3's rope 32, MHA depths 16 and 32) gets its own
+  zero-padded copies of its Q and K columns; the others are read where they are."""
+  q_ops, k_ops, new_parts = list(q_ops), list(k_ops), []
+  for p in parts:
+    width = mosaic_depth(p.width)
+    if width == p.width:
+      new_parts.append(p)
+      continue
+    q_ops.append(pad_depth(q_ops[p.q_index][..., p.q_col:p.q_col + p.width], width))
+    k_ops.append(pad_depth(k_ops[p.k_index][..., p.k_col:p.k_col + p.width], width))
+    new_parts.append(dataclasses.replace(p, q_index=len(q_ops) - 1, q_col=0,
+                                         k_index=len(k_ops) - 1, k_col=0, width=width))
+  return q_ops, k_ops, new_parts
+
+
 def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype, return_lse):
   """The result when no row sees a key: zeros, and the LSE of the sink alone (the empty
   row value without one, and for rows past the last offset)."""
@@ -126,16 +164,17 @@ def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
 
 # The options an entry point's jitted implementation takes as static arguments.
 STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
-                  "interpret", "backend")
+                  "interpret", "backend", "logits_soft_cap")
 
 
 def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
-                   config, interpret, backend="auto") -> dict:
+                   config, interpret, backend="auto", logits_soft_cap=None) -> dict:
   """Validated options in the hashable form the jitted implementations take, defaults
   resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
   return dict(
       max_prompt_len=int(max_prompt_len), mask=mask,
       scale=float(depth ** -0.5 if scale is None else scale),
+      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
       return_lse=bool(return_lse), config=config,
       interpret=jax.default_backend() == "cpu" if interpret is None else interpret,

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_prefill.constants import LOG2_E
 from pallas_prefill.paged import PagedKV
 
 
@@ -50,3 +51,21 @@ def unpage(*operands):
     return (*operands, None)
   first = operands[0]
   return (*(x.pages for x in operands), (first.block_table, first.cache_lengths))
+
+
+def soft_capped(s, cap):
+  """``cap * tanh(s / cap)``, Gemma 2's logit soft cap, as the kernels compute it: from
+  ``exp2`` (tanh(y) = 1 - 2 / (2**(2y log2 e) + 1)), exact to float32 rounding on every
+  backend where the hardware's approximate tanh is not (Mosaic GPU's ``approx_math``).
+  Finite for every finite s (2**x overflows to inf, and 2 / inf is 0). The kernels pass
+  logits already in base 2 with ``cap * log2(e)``: the cap commutes with that scaling."""
+  two_y_log2e = s * (2.0 * LOG2_E / cap)
+  return cap * (1.0 - 2.0 / (jnp.exp2(two_y_log2e) + 1.0))
+
+
+def kv_rows(kv_offsets):
+  """The (starts, ends) K/V row ranges [batch] each of cumulative K/V offsets
+  [batch + 1] (the ragged entry points' ``kv_input_row_offsets``), or None for None."""
+  if kv_offsets is None:
+    return None
+  return kv_offsets[:-1], kv_offsets[1:]

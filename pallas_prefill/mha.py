@@ -17,7 +17,7 @@ from pallas_prefill import validation as val
 def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
                 mask=masks_lib.CausalMask(), scale=None, sink_weights=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="auto"):
+                backend="auto", logits_soft_cap=None):
   """Attention prefill over a ragged (packed) batch of prompts.
 
   Sequence b's queries are rows ``input_row_offsets[b]:input_row_offsets[b+1]`` of ``q``;
@@ -43,6 +43,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     mask: a ``pallas_prefill.masks`` mask (default causal). KV tiles it hides entirely are
       skipped.
     scale: logit scale, a static float; default 1/sqrt(head_dim).
+    logits_soft_cap: None, or a static float cap > 0: the scaled logits become
+      ``cap * tanh(logits / cap)`` before the mask (Gemma 2, Grok); the LSE is of the
+      capped logits.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
       denominator gains exp(sink - max); the sink contributes no value.
     output_dtype: dtype of the output; default q.dtype.
@@ -85,7 +88,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                  output_dtype=output_dtype, config=config, interpret=interpret,
-                 backend=backend)
+                 backend=backend,
+                 logits_soft_cap=logits_soft_cap)
   num_heads, head_dim = q.shape[1:]
   if k.shape[-1] != head_dim:
     raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
@@ -107,7 +111,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       **dispatch.static_options(
           q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret, backend=backend))
+          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
@@ -115,24 +119,36 @@ def jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_we
                        **static):
   """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
   split over head shards where the operands are sharded (``partitioning``)."""
+  kv_starts, kv_ends = logits.kv_rows(kv_input_row_offsets) or (None, None)
+  return head_parallel_mha(q, k, v, input_row_offsets, kv_starts, kv_ends, sink_weights,
+                           **static)
+
+
+def head_parallel_mha(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, **static):
+  """``mha_on_shards`` split over head shards where the operands are sharded
+  (``partitioning``); q [rows, num_heads, depth], k and v [rows, num_kv_heads, depth] (or
+  PagedKV), offsets and row ranges replicated."""
   hp = partitioning
   return hp.head_parallel(
-      mha_on_shards, (q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights),
-      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, hp.SINK_HEADS),
+      mha_on_shards, (q, k, v, q_offsets, kv_starts, kv_ends, sink_weights),
+      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, None, hp.SINK_HEADS),
       out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
       num_heads=q.shape[1], num_kv_heads=k.shape[-2], **static)
 
 
-def mha_on_shards(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, *,
-                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
-                  backend):
+def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, *, max_prompt_len,
+                  mask, scale, output_dtype, return_lse, config, interpret, backend,
+                  logits_soft_cap, top_left=False):
   """One head shard's call (all heads when unsharded): the logits' terms, then
-  ``dispatch.ragged_attention``."""
+  ``dispatch.ragged_attention``. K/V rows: packed like Q (kv_starts None), or sequence b's
+  at [kv_starts[b], kv_ends[b])."""
   qk_depth = logits.padded_depth(q.shape[-1])
   k, v, paged = logits.unpage(k, v)
+  kv_rows = None if kv_starts is None else (kv_starts, kv_ends)
   return dispatch.ragged_attention(
       [logits.pad_depth(q, qk_depth)], [logits.pad_depth(k, qk_depth)], v,
-      input_row_offsets, kv_input_row_offsets, sink_weights, paged=paged,
+      q_offsets, kv_rows, sink_weights, paged=paged,
       parts=[logits.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
-      return_lse=return_lse, config=config, interpret=interpret, backend=backend)
+      return_lse=return_lse, config=config, interpret=interpret, backend=backend,
+      logits_soft_cap=logits_soft_cap, top_left=top_left)

@@ -22,7 +22,7 @@ from pallas_prefill import validation as val
 def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                 kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="auto"):
+                backend="auto", logits_soft_cap=None):
   """Multi-head latent attention prefill over a ragged (packed) batch.
 
   logits = (q_nope . k_nope + q_rope . k_rope) * scale, where q_nope and q_rope are the
@@ -47,6 +47,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     mask: a ``pallas_prefill.masks`` mask (default causal).
     scale: logit scale, a static float; default 1/sqrt(d_nope + d_rope). Pass a
       YaRN-corrected scale here.
+    logits_soft_cap: None, or a static float cap > 0: logits become
+      ``cap * tanh(logits / cap)`` after the scale, before the mask, as in ``mha_prefill``.
     output_dtype: default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp [total_q, num_heads].
     config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
@@ -67,7 +69,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
-                 interpret=interpret, backend=backend)
+                 interpret=interpret, backend=backend,
+                 logits_soft_cap=logits_soft_cap)
   num_heads, depth = q.shape[1:]
   num_kv_heads, d_nope = k_nope.shape[-2:]
   d_rope = k_rope.shape[-1]
@@ -90,7 +93,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       **dispatch.static_options(
           q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret, backend=backend))
+          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
@@ -108,7 +111,7 @@ def jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_off
 
 def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
                   max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
-                  backend):
+                  backend, logits_soft_cap):
   """One head shard's call (all heads when unsharded): the logits' terms, then
   ``dispatch.ragged_attention``."""
   k_nope, k_rope, v, paged = logits.unpage(k_nope, k_rope, v)
@@ -124,7 +127,8 @@ def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
     rope_part = logits.QkPart(1, 0, 1, 0, w_rope, shared_k=shared)
   return dispatch.ragged_attention(
       q_ops, [logits.pad_depth(k_nope, w_nope), logits.pad_depth(k_rope, w_rope)], v,
-      input_row_offsets, kv_input_row_offsets, None, paged=paged,
+      input_row_offsets, logits.kv_rows(kv_input_row_offsets), None, paged=paged,
       parts=[logits.QkPart(0, 0, 0, 0, w_nope), rope_part],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
-      return_lse=return_lse, config=config, interpret=interpret, backend=backend)
+      return_lse=return_lse, config=config, interpret=interpret, backend=backend,
+      logits_soft_cap=logits_soft_cap)

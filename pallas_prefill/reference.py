@@ -13,6 +13,7 @@ from jax import lax
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.paged import PagedKV
+from pallas_prefill.padded import window_mask
 from pallas_prefill.constants import EMPTY_ROW_LSE
 
 _HI = lax.Precision.HIGHEST
@@ -56,8 +57,13 @@ def _unpage(input_row_offsets, kv_input_row_offsets, *operands):
   return list(operands), _row_positions(kv_off, operands[0].shape[0]), jnp.diff(kv_off)
 
 
+def _soft_cap(s, cap):
+  return s if cap is None else cap * jnp.tanh(s / cap)
+
+
 def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, total_q,
-               mask, scale, sink_weights, output_dtype, return_lse, block_rows=256):
+               mask, scale, sink_weights, output_dtype, return_lse, logits_soft_cap=None,
+               block_rows=256):
   """logits_fn(row_start, rows) -> [rows, num_heads, total_kv] float32 unscaled logits;
   keys = (sequence, position, valid) of each of the total_kv key rows."""
   _, num_kv_heads, v_depth = v.shape
@@ -77,7 +83,7 @@ def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, tot
     sl = lambda x: lax.dynamic_slice_in_dim(x, r0, block_rows)
     pad = lambda x: jnp.pad(x, (0, num_blocks * block_rows - total_q))
     seq, pos, valid = sl(pad(q_seq)), sl(pad(q_pos)), sl(pad(q_valid))
-    s = logits_fn(r0, block_rows) * scale  # [rows, heads, total_kv]
+    s = _soft_cap(logits_fn(r0, block_rows) * scale, logits_soft_cap)  # [rows, heads, kv]
     vis = ((seq[:, None] == k_seq[None, :]) & valid[:, None] & k_valid[None, :]
            & mask.visible(pos[:, None], k_pos[None, :]))[:, None, :]
     s = jnp.where(vis, s, -jnp.inf)
@@ -115,12 +121,12 @@ def _heads(x, num_heads):
 def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
                           kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                           sink_weights=None, output_dtype=None, return_lse=False,
-                          config=None, interpret=None):
+                          config=None, interpret=None, backend=None, logits_soft_cap=None):
   """Float32 reference for ``mha_prefill``, same signature and semantics.
 
-  ``max_prompt_len``, ``config`` and ``interpret`` are accepted and ignored.
+  ``max_prompt_len``, ``config``, ``interpret`` and ``backend`` are accepted and ignored.
   """
-  del max_prompt_len, config, interpret
+  del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
   (k, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets, k, v)
   k32 = _heads(k, num_heads)
@@ -132,17 +138,18 @@ def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
   return _reference(logits, v, input_row_offsets, keys, kv_lens,
                     num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
                     sink_weights=sink_weights, output_dtype=output_dtype or q.dtype,
-                    return_lse=return_lse)
+                    return_lse=return_lse, logits_soft_cap=logits_soft_cap)
 
 
 def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                           kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
-                          output_dtype=None, return_lse=False, config=None, interpret=None):
+                          output_dtype=None, return_lse=False, config=None, interpret=None,
+                          backend=None, logits_soft_cap=None):
   """Float32 reference for ``mla_prefill``: logits = (q_nope.k_nope + q_rope.k_rope) * scale.
 
-  ``max_prompt_len``, ``config`` and ``interpret`` are accepted and ignored.
+  ``max_prompt_len``, ``config``, ``interpret`` and ``backend`` are accepted and ignored.
   """
-  del max_prompt_len, config, interpret
+  del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
   (k_nope, k_rope, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets,
                                                k_nope, k_rope, v)
@@ -158,4 +165,79 @@ def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt
   return _reference(logits, v, input_row_offsets, keys, kv_lens,
                     num_heads=num_heads, total_q=q.shape[0], mask=mask, scale=scale,
                     sink_weights=None, output_dtype=output_dtype or q.dtype,
-                    return_lse=return_lse)
+                    return_lse=return_lse, logits_soft_cap=logits_soft_cap)
+
+
+def _token_runs(ids, padding_id):
+  """Per token of [batch, seq] segment ids: its run (maximal run of equal ids, -1 for
+  padding) and its position within the run."""
+  seq = ids.shape[1]
+  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
+  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
+  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  new_run = real & (~prev_real | (ids != prev))
+  run = jnp.cumsum(new_run, axis=1) - 1
+  t = jnp.arange(seq)[None, :]
+  run_start = lax.cummax(jnp.where(new_run, t, 0), axis=1)
+  return jnp.where(real, run, -1), t - run_start
+
+
+def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None,
+                                    key_value_seq_lengths=None, is_causal=False,
+                                    local_window_size=None, scale=None, sink_weights=None,
+                                    logits_soft_cap=None, segment_ids=None,
+                                    padding_segment_id=None, max_segments=None,
+                                    output_dtype=None, return_lse=False, backend=None,
+                                    interpret=None):
+  """Float32 reference for ``dot_product_attention``, dense over each batch row: query t
+  sees key s iff both are real tokens of one sequence (the first L rows, or the k-th runs
+  of equal segment ids, runs past ``max_segments`` being padding) and the mask allows it
+  at their positions within the sequence. Same arguments; ``backend`` and ``interpret``
+  ignored."""
+  del backend, interpret
+  batch, t_len, num_heads, head_dim = query.shape
+  s_len, num_kv_heads = key.shape[1:3]
+  mask = window_mask(is_causal, local_window_size)
+  scale = head_dim ** -0.5 if scale is None else scale
+  if segment_ids is not None:
+    q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
+                     else (segment_ids, segment_ids))
+    q_run, q_pos = _token_runs(q_ids, padding_segment_id)
+    k_run, k_pos = _token_runs(kv_ids, padding_segment_id)
+    bound = max_segments if max_segments is not None else t_len + s_len
+    q_run = jnp.where(q_run < bound, q_run, -1)  # padding: -1 and -2, never equal
+    k_run = jnp.where((k_run >= 0) & (k_run < bound), k_run, -2)
+    same = q_run[:, :, None] == k_run[:, None, :]
+  else:
+    q_pos = jnp.broadcast_to(jnp.arange(t_len)[None, :], (batch, t_len))
+    k_pos = jnp.broadcast_to(jnp.arange(s_len)[None, :], (batch, s_len))
+    ql = t_len if query_seq_lengths is None else query_seq_lengths[:, None]
+    kl = s_len if key_value_seq_lengths is None else key_value_seq_lengths[:, None]
+    same = (q_pos < ql)[:, :, None] & (k_pos < kl)[:, None, :]
+  q_real = same.any(axis=2) if segment_ids is not None else (
+      q_pos < (t_len if query_seq_lengths is None else query_seq_lengths[:, None]))
+  vis = same & mask.visible(q_pos[:, :, None], k_pos[:, None, :])  # [b, t, s]
+  k32 = _heads(key.reshape(-1, num_kv_heads, head_dim), num_heads).reshape(
+      batch, s_len, num_heads, head_dim)
+  v32 = _heads(value.reshape(-1, num_kv_heads, value.shape[-1]), num_heads).reshape(
+      batch, s_len, num_heads, value.shape[-1])
+  logits = jnp.einsum("bthd,bshd->bhts", query.astype(jnp.float32), k32, precision=_HI)
+  logits = _soft_cap(logits * scale, logits_soft_cap)
+  vis = vis[:, None]
+  logits = jnp.where(vis, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, initial=-jnp.inf)
+  sink = None if sink_weights is None else sink_weights.astype(jnp.float32)[None, :, None]
+  if sink is not None:
+    m = jnp.maximum(m, sink)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(vis, jnp.exp(logits - m_safe[..., None]), 0.0)
+  denom = p.sum(-1) + (0.0 if sink is None else jnp.exp(sink - m_safe))
+  seen = (denom > 0) & q_real[:, None, :]
+  denom_safe = jnp.where(seen, denom, 1.0)
+  out = jnp.einsum("bhts,bshd->bthd", p, v32, precision=_HI) / jnp.moveaxis(
+      denom_safe, 1, 2)[..., None]
+  out = jnp.where(q_real[:, :, None, None], out, 0.0).astype(output_dtype or query.dtype)
+  if not return_lse:
+    return out
+  lse = jnp.where(seen, m_safe + jnp.log(denom_safe), EMPTY_ROW_LSE)
+  return out, jnp.moveaxis(lse, 1, 2)

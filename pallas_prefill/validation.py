@@ -55,8 +55,20 @@ def check_head_dim(name, depth):
 BACKENDS = ("triton", "mosaic_gpu", "auto")
 
 
+def check_soft_cap(logits_soft_cap):
+  if logits_soft_cap is None:
+    return
+  if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap,
+                                                         (int, float, np.floating)):
+    raise TypeError("logits_soft_cap must be a static Python float or None, got "
+                    f"{type(logits_soft_cap).__name__}")
+  if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+    raise ValueError(f"logits_soft_cap must be a finite float > 0 (logits become "
+                     f"cap * tanh(logits / cap)), got {logits_soft_cap!r}")
+
+
 def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret,
-                  backend="auto"):
+                  backend="auto", logits_soft_cap=None):
   if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):
     raise TypeError(
         f"max_prompt_len must be a static Python int, got {type(max_prompt_len).__name__}")
@@ -78,6 +90,7 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
     if not ok:
       raise TypeError("output_dtype must be bfloat16, float16, float32 or None, got "
                       f"{getattr(output_dtype, '__name__', output_dtype)}")
+  check_soft_cap(logits_soft_cap)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
                      f"{backend!r}")
@@ -104,7 +117,8 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
 
 
 def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_prompt_len,
-               mask, scale, output_dtype, config, interpret, backend="auto"):
+               mask, scale, output_dtype, config, interpret, backend="auto",
+               logits_soft_cap=None):
   """The static checks MHA and MLA share (each then checks its own depths and heads).
 
   q is [total_q, num_heads, depth]; kv_operands maps each K/V argument's name to its
@@ -145,7 +159,7 @@ def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_p
       check_offsets("kv_input_row_offsets", kv_input_row_offsets, batch)
   check_options(max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                 output_dtype=output_dtype, config=config, interpret=interpret,
-                backend=backend)
+                backend=backend, logits_soft_cap=logits_soft_cap)
 
 
 def validate_if_concrete(input_row_offsets, kv_input_row_offsets, *, max_prompt_len,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_prefill as pp
-from pallas_prefill import logits, masks
+from pallas_prefill import masks
 
 CAUSAL = masks.CausalMask()
 
@@ -35,6 +35,7 @@ class Case:
   output_dtype: str | None = None
   offsets_dtype: str = "int32"
   page_size: int | None = None  # K/V in a shuffled paged cache (kv_lens give cache + new)
+  soft_cap: float | None = None  # logits_soft_cap
   extra_prompt_len: int = 9  # max_prompt_len beyond the longest sequence
   extra_rows: int = 5  # rows past offsets[-1], which must come out zero
   config: pp.MhaConfig | None = pp.MhaConfig(block_q=32, block_kv=16, num_warps=4,
@@ -85,6 +86,10 @@ def _cases():
       r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=masks.NullMask(), lse=True),
       r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=CAUSAL, lse=True),
       r(base, kv_lens=(3, 0, 10, 60, 64, 0), mask=CAUSAL, sink=True, lse=True),
+      r(base, soft_cap=1.5),  # a cap that bends most logits
+      r(base, soft_cap=30.0, sink=True, lse=True, mask=masks.SlidingWindowCausalMask(24)),
+      r(base, soft_cap=2.0, kv_lens=(3, 0, 10, 60, 64, 0), lse=True),
+      r(base, head_dim=32),  # Mosaic GPU pads it to 64
       r(base, lens=(0,), extra_prompt_len=16, extra_rows=3),  # nothing to attend
       r(base, lens=(200,), kv_heads=1, mask=masks.SlidingWindowCausalMask(40),
         extra_prompt_len=0),
@@ -110,6 +115,8 @@ def _mla_cases():
       r(base, kv_lens=(3, 0, 10, 60, 64, 0), lse=True),
       r(base, head_dim=48, rope_dim=24, head_dim_v=40),  # padded depths
       r(base, dtype="float16", offsets_dtype="uint32"),
+      r(base, soft_cap=1.5, lse=True),
+      r(base, head_dim=64, rope_dim=32, head_dim_v=64, shared_rope=True),  # MiniCPM3
       r(base, dtype="float32"),
   ]
 
@@ -146,6 +153,8 @@ def make_inputs(case: Case, seed: int):
   kwargs = dict(max_prompt_len=max(max(case.lens), 1) + case.extra_prompt_len,
                 mask=case.mask, return_lse=case.lse, output_dtype=case.output_dtype,
                 scale=case.scale)
+  if case.soft_cap is not None:
+    kwargs["logits_soft_cap"] = case.soft_cap
   if case.sink:
     kwargs["sink_weights"] = jnp.asarray(rng.standard_normal(case.heads) * 2, jnp.float32)
   if case.page_size is not None:
@@ -244,24 +253,14 @@ def check_case(case: Case, *, interpret: bool, poison=None, backend="triton"):
 
 
 def mosaic_variant(case: Case) -> Case:
-  """The case as the Mosaic GPU backend's tests run it: its default tiles, and MLA's rope
-  depth raised to 64 (the narrowest that kernel takes) so that MLA cases run there too."""
-  case = dataclasses.replace(case, config=None)
-  if case.kind == "mla" and case.rope_dim < 64:
-    case = dataclasses.replace(case, rope_dim=64)
-  return case
+  """The case as the Mosaic GPU backend's tests run it: its default tiles (every depth,
+  MLA's rope 32 included, is padded to a multiple of 64 inside the wrapper)."""
+  return dataclasses.replace(case, config=None)
 
 
 def mosaic_serves(case: Case) -> bool:
   """Whether backend="mosaic_gpu" takes the case (else it must refuse it with
-  NotImplementedError): bf16/f16, every depth padding to a multiple of 64 (the default
-  tiles then fit shared memory, MHA at depth 256 with both the LSE and a float32 output
-  included); contiguous or paged K/V."""
-  pad = logits.padded_depth
-  dv = case.head_dim_v or case.head_dim
-  depths = [case.head_dim, dv] + ([case.rope_dim] if case.kind == "mla" else [])
-  if case.kind == "mla" and pad(case.head_dim) + pad(case.rope_dim) != (
-      case.head_dim + case.rope_dim):
-    depths = [pad(case.head_dim), pad(case.rope_dim), dv]
-  return (case.dtype in ("bfloat16", "float16")
-          and all(pad(d) % 64 == 0 for d in depths))
+  NotImplementedError): bf16/f16 at any depth up to 256 (zero-padded to a multiple of 64;
+  the default tiles then fit shared memory, MHA at depth 256 with both the LSE and a
+  float32 output included); contiguous or paged K/V."""
+  return case.dtype in ("bfloat16", "float16")

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from benchmarks import workloads as benchmark_workloads
+from pallas_prefill.logits import kv_rows
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
 from pallas_prefill import constants, logits, masks, mosaic_gpu
@@ -76,7 +77,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
-  table, lse_slot, kv_end, n_live = xla_work_list.work_list(q_off, kv_off, total_q, total_kv,
+  table, lse_slot, kv_end, n_live = xla_work_list.work_list(q_off, kv_rows(kv_off), total_q, total_kv,
                                                      mask=mask, block_q=bq, block_kv=bkv,
                                                      paged_cache=paged_cache,
                                                      page_tiles=native is not None)
@@ -490,7 +491,7 @@ def test_dynamic_order_on_the_harness_workloads(kind, name, head_major, deal):
   heads, group, block_kv = (128, 1, 64) if kind == "mla" else (32, 4, 128)
   off = jnp.asarray(benchmark_workloads.offsets(w.q_lens), jnp.int32)
   kv_off = jnp.asarray(benchmark_workloads.offsets(w.kv_lens or w.q_lens), jnp.int32)
-  table, _, _, n_live = xla_work_list.work_list(off, kv_off, int(off[-1]), int(kv_off[-1]),
+  table, _, _, n_live = xla_work_list.work_list(off, kv_rows(kv_off), int(off[-1]), int(kv_off[-1]),
                                          mask=w.mask, block_q=64, block_kv=block_kv)
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   got = schedule.dynamic_head_major_order(tiles, n_live, num_heads=heads, group=group,
@@ -518,7 +519,6 @@ def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
 
 @pytest.mark.parametrize("dtype,depth,extra,why", [
     (jnp.float32, 128, {}, "dtype float32"),
-    (jnp.bfloat16, 32, {}, "depth 32"),
     # depth 256 fits with one output buffer, but not with a float32 one and the LSE's
     (jnp.bfloat16, 256, dict(config=pp.MosaicConfig(block_kv=128, num_stages=3)),
      "shared memory"),
@@ -696,6 +696,7 @@ class Lowered:
   output_dtype: str | None = None
   config: pp.MosaicConfig | None = None
   max_prompt_len: int = 512  # > config.LONG_PROMPT (1024): the long-prompt tuned entry
+  soft_cap: float | None = None
 
   def lower(self):
     dt, s = jnp.dtype(self.dtype), jax.ShapeDtypeStruct
@@ -703,7 +704,7 @@ class Lowered:
     off = s((6,), jnp.int32)
     kw = dict(max_prompt_len=self.max_prompt_len, mask=self.mask, return_lse=self.lse,
               output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu",
-              config=self.config)
+              config=self.config, logits_soft_cap=self.soft_cap)
     kv_off = off if self.total_kv else None
     if self.kind == "mha":
       def fn(q, k, v, o, ko, sw):
@@ -748,6 +749,11 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, max_prompt_len=4096),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, max_prompt_len=4096),
     Lowered(lse=True, sink=True, max_prompt_len=4096),
+    # Issue 23: depths below 64 padded to 64 (MHA 32, MiniCPM3's MLA rope 32), soft caps
+    Lowered(head_dim=32, head_dim_v=32),
+    Lowered(kind="mla", heads=16, kv_heads=16, head_dim=64, head_dim_v=64, rope=32),
+    Lowered(soft_cap=30.0, lse=True, sink=True),
+    Lowered(kind="mla", heads=16, kv_heads=16, soft_cap=50.0),
 ]
 
 

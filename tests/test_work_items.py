@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_prefill.logits import kv_rows
 from pallas_prefill import masks
 from pallas_prefill.mosaic_gpu import layout, schedule, work_items
 from pallas_prefill.mosaic_gpu import work_list as xla_work_list
@@ -92,7 +93,7 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   off = jnp.asarray(off)
   kw = dict(mask=case.mask, block_q=case.block_q, block_kv=case.block_kv,
             paged_cache=paged, page_tiles=page_tiles)
-  table, _, kv_end, n_live = xla_work_list.work_list(off, kv_off, total_q, total_kv, **kw)
+  table, _, kv_end, n_live = xla_work_list.work_list(off, kv_rows(kv_off), total_q, total_kv, **kw)
   programs = min(case.programs, case.heads * table.shape[0])
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
@@ -100,7 +101,7 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
                       else (schedule.head_major_order(tiles, n_live, **order), 0))
   bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
   assert work_items.fits(table.shape[0], len(case.lens), bound)
-  got, scalars = work_items.build(off, kv_off, total_q, total_kv, num_heads=case.heads,
+  got, scalars = work_items.build(off, kv_rows(kv_off), total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
                                   dynamic=dynamic, interpret=interpret, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
@@ -138,7 +139,7 @@ def test_dynamic_cases_cover_every_schedule():
     kv_off = None if case.kv_lens is None else jnp.asarray(_offsets(case.kv_lens))
     total_q = int(off[-1]) + case.extra_rows
     total_kv = total_q if kv_off is None else int(kv_off[-1])
-    table, _, _, n_live = xla_work_list.work_list(jnp.asarray(off), kv_off, total_q, total_kv,
+    table, _, _, n_live = xla_work_list.work_list(jnp.asarray(off), kv_rows(kv_off), total_q, total_kv,
                                            mask=case.mask, block_q=case.block_q,
                                            block_kv=case.block_kv)
     got.add(tuple(int(x) for x in schedule.dynamic_schedule(

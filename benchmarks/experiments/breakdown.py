@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_prefill.logits import kv_rows
 import pallas_prefill as pp
 from benchmarks import run
 from benchmarks import systems as sy
@@ -46,13 +47,13 @@ def xla_parts(problem: sy.Problem, config: pp.MosaicConfig):
   def work_list_alone(q, kv, q_off, kv_off):
     del q, kv
     table, _, _, n_live = work_list.work_list(
-        q_off, kv_off, total_q, total_kv, mask=w.mask, block_q=config.block_q,
+        q_off, kv_rows(kv_off), total_q, total_kv, mask=w.mask, block_q=config.block_q,
         block_kv=config.block_kv)
     return table, n_live
 
   @jax.jit
   def all_xla_work(q, kv, q_off, kv_off):
-    inputs = operands.operands([q], list(kv[:-1]), kv[-1], q_off, kv_off, None, mask=w.mask,
+    inputs = operands.operands([q], list(kv[:-1]), kv[-1], q_off, kv_rows(kv_off), None, mask=w.mask,
                                return_lse=False, config=config)[0]
     # Not the operands passed through unchanged: a jit returning its argument copies it.
     return [x for x in inputs if all(x is not y for y in (q, *kv))]

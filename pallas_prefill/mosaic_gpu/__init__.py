@@ -23,10 +23,11 @@ from pallas_prefill.config import MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
+from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
 from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
 
-__all__ = ["fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
+__all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
 
 
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
@@ -56,9 +57,9 @@ def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
   return dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
 
 
-def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                           mask, scale, output_dtype, return_lse, config: MosaicConfig,
-                          paged=None):
+                          paged=None, soft_cap=None, top_left=False):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
   None); arguments and results as ``dispatch.ragged_attention``'s (V padded). A paged cache
   (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
@@ -81,15 +82,17 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, 
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
   num_kv_heads, v_depth = v.shape[-2:]
   rows = L.COMPUTE_WGS * config.block_q
-  inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_offsets,
-                                        sink_weights, mask=mask, return_lse=return_lse,
-                                        config=config, paged_cache=paged_cache,
-                                        block_table=block_table)
+  inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
+                                                sink_weights, mask=mask,
+                                                return_lse=return_lse, config=config,
+                                                paged_cache=paged_cache,
+                                                block_table=block_table, top_left=top_left)
   num_items = inputs[0].shape[0]  # the work list's rows
   spec = KernelSpec(
       parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), dtype=v.dtype, v_depth=v_depth,
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
-      scale=scale * LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      scale=scale * LOG2_E, soft_cap=None if soft_cap is None else soft_cap * LOG2_E,
+      top_left=top_left, block_q=config.block_q, block_kv=config.block_kv,
       num_stages=config.num_stages, group=num_heads // num_kv_heads, num_heads=num_heads,
       out_dtype=jnp.dtype(output_dtype), page_size=page_size,
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),

@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
+from pallas_prefill.logits import soft_capped
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
@@ -85,7 +86,8 @@ class KernelSpec:
   split units; page_size: K/V operands are pages [num_pages, page_size, heads, depth]
   read a tile at a time from the pages the block table names (``v_tail`` then holds each
   sequence's last V tile, and the block table follows it); fold_scale:
-  ``MosaicOptions.fold_scale``.
+  ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
+  (``logits.soft_capped``); top_left: queries from position 0 (else kv_len - q_len).
   """
 
   parts: tuple
@@ -108,6 +110,8 @@ class KernelSpec:
   split: bool = False
   page_size: int | None = None
   fold_scale: bool = True
+  soft_cap: float | None = None
+  top_left: bool = False
 
   @property
   def chunks(self):
@@ -403,7 +407,8 @@ def read_item(spec: KernelSpec, units: Units, hw, base) -> Item:
   row = first_q_row(meta, half, spec.block_q)
   first = jnp.clip(q_start - row, 0, spec.block_q)  # rows before it: a neighbour's
   n_rows = jnp.clip(q_start + q_len - row, 0, spec.block_q) - first
-  row_pos = kv_len - q_len + row - q_start  # position of the row `row`
+  start_pos = 0 if spec.top_left else kv_len - q_len
+  row_pos = start_pos + row - q_start  # position of the row `row`
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
               kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base)
@@ -451,9 +456,12 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, i, slot, carry, *, mas
   slot."""
   acc, m_i, l_i = carry
   s = qk_scores(spec, scratch, turns, q_smem, i, slot)
-  fold = spec.fold_scale and spec.scale > 0  # the row maximum commutes with the scale
+  # The row maximum commutes with a positive scale, not with the soft cap.
+  fold = spec.fold_scale and spec.scale > 0 and spec.soft_cap is None
   if not fold:
     s = s * spec.scale
+  if spec.soft_cap is not None:
+    s = soft_capped(s, spec.soft_cap)
   if masked:
     s = mask_scores(spec, item, i, s)
   acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)

@@ -46,8 +46,9 @@ def padded_rows(rows: int, tile: int) -> int:
   return max(rows, tile)
 
 
-def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, return_lse,
-             config: MosaicConfig, paged_cache=None, block_table=None, interpret=False):
+def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_lse,
+             config: MosaicConfig, paged_cache=None, block_table=None, interpret=False,
+             top_left=False):
   """The work before the kernel: its operands (the work list, the scalars, the sink
   weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
   slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
@@ -65,7 +66,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
   group = num_heads // v.shape[-2]
   page_tiles = block_table is not None
   kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
-            paged_cache=paged_cache, page_tiles=page_tiles)
+            paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left)
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options
@@ -73,14 +74,13 @@ def operands(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, mask, retu
                                                                     tile_bound):
     # One small kernel instead of XLA's ~16 (``work_items``); the LSE's row slots come
     # from XLA's version.
-    table, scalars = work_items.build(q_offsets, kv_offsets, total_q, total_kv,
+    table, scalars = work_items.build(q_offsets, kv_rows, total_q, total_kv,
                                       num_heads=num_heads, group=group,
                                       num_programs=programs, dynamic=options.dynamic,
                                       interpret=interpret, **kw)
     lse_slot, kv_end = None, scalars[L.S_KV_TAIL]
   else:
-    table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_offsets, total_q, total_kv,
-                                                **kw)
+    table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_rows, total_q, total_kv, **kw)
     tiles = table[:, L.T_HI] - table[:, L.T_LO]
     order = dict(num_heads=num_heads, group=group, num_programs=programs)
     head_major, deal = (schedule.dynamic_schedule(tiles, n_live, **order) if options.dynamic

@@ -185,10 +185,10 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            interpret):
+            top_left, interpret):
   refs = list(refs)
   q_off_ref = refs.pop(0)
-  kv_off_ref = refs.pop(0) if kv_given else None
+  kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
   cache_ref = refs.pop(0) if paged_cap is not None else None
   table_ref, scalar_ref = refs
   ops = Ops(interpret)
@@ -214,12 +214,14 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       kv_start = b * (0 if page_tiles else paged_cap)
       kv_end = kv_start + jnp.minimum(cache + q_end - q_start, paged_cap)
     elif kv_given:
-      kv_off = lambda i: clip(ops.gather(kv_off_ref, clip(i, 0, batch)), 0, total_kv)  # noqa: E731
-      kv_start = kv_off(b)
-      kv_end = jnp.maximum(kv_off(b + 1), kv_start)
+      seq = clip(b, 0, batch - 1)
+      kv_start = clip(ops.gather(kv_start_ref, seq), 0, total_kv)
+      kv_end = clip(ops.gather(kv_end_ref, seq), kv_start, total_kv)
     else:
       kv_start, kv_end = q_start, q_end
-    kv_tail = jnp.sum(jnp.where(b == batch - 1, kv_end, 0))
+    # The batch's last key: the largest end (a running maximum, read at the last lane).
+    kv_max = ops.scan(jnp.where(b < batch, kv_end, 0), scan_buf, jnp.maximum, 0)
+    kv_tail = jnp.sum(jnp.where(b == batch - 1, kv_max, 0))
     kv_start = jnp.where(b >= batch, 0, kv_start)
     kv_end = jnp.where(b >= batch, 0, kv_end)
     q_first = L.floor8(q_start)
@@ -243,7 +245,8 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
         jnp.where(live, ops.gather(buf, seq), 0) for buf in seq_bufs)
     row = jnp.where(live, i_q_first + (i - i_first) * rows, 0)
     cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
-                               block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
+                            block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
+                            top_left=top_left)
     if page_tiles:
       cols.append(jnp.where(live, seq, 0))
     lo, hi = cols[L.T_LO], cols[L.T_HI]
@@ -311,9 +314,9 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
   return keys // block_kv + 2
 
 
-def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
+def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          interpret=False):
+          top_left=False, interpret=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -330,14 +333,14 @@ def build(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv, 
   if paged_cache is not None:
     cache_lengths, paged_cap = paged_cache
     inputs.append(cache_lengths.astype(jnp.int32))
-  elif kv_offsets is not None:
-    inputs.append(kv_offsets.astype(jnp.int32))
+  elif kv_rows is not None:
+    inputs += [x.astype(jnp.int32) for x in kv_rows]
   kernel = functools.partial(
       _kernel, batch=batch, total_q=total_q, total_kv=total_kv, mask=mask,
       block_q=block_q, block_kv=block_kv, num_items=num_items, num_heads=num_heads,
       group=group, num_programs=num_programs,
-      kv_given=paged_cache is None and kv_offsets is not None, paged_cap=paged_cap,
-      page_tiles=page_tiles, dynamic=dynamic, interpret=interpret)
+      kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
+      page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

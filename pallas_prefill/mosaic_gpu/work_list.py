@@ -33,10 +33,11 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
-                 page_tiles):
+                 page_tiles, top_left=False):
   """The per-item table columns up to ``layout.META_COLS`` (a list of int32 arrays, one value
   per item) from each item's sequence (its query start and length, its K/V start and
-  length: zeros for items that run nothing) and first row (absolute, a multiple of 8).
+  length: zeros for items that run nothing) and first row (absolute, a multiple of 8);
+  ``top_left``: queries from position 0 (else kv_len - q_len).
   Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
   ``work_items.build`` (a Mosaic GPU kernel) share it."""
   kv_first = L.floor8(i_kv_start)
@@ -46,7 +47,7 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
   if page_tiles:
     kv_last = jnp.full_like(kv_last, L.NO_SHIFT * 8)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
-  start_pos = i_kv_len - i_q_len
+  start_pos = jnp.zeros_like(i_kv_len) if top_left else i_kv_len - i_q_len
 
   per_wg = []
   for g in range(L.COMPUTE_WGS):
@@ -77,12 +78,15 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
   return cols
 
 
-def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_kv,
-              paged_cache=None, page_tiles=False):
+def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
+              paged_cache=None, page_tiles=False, top_left=False):
   """The per-item table [num_items, L.META_COLS] int32; each output row's column in the
-  per-item LSE buffer; the end of the last sequence's keys; and the number of items that
-  store rows (the kernel runs those: they come first, heaviest first, and the rest of
-  the table, whose items store nothing, after them).
+  per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
+  number of items that store rows (the kernel runs those: they come first, heaviest
+  first, and the rest of the table, whose items store nothing, after them).
+
+  kv_rows: None (K/V packed like Q, or paged) or (kv_starts, kv_ends) [batch] each:
+  sequence b's keys are rows [kv_starts[b], kv_ends[b]) (clamped to the arrays).
 
   Offsets are clamped and chained (sequence b's queries start where b-1's end), so any
   offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
@@ -106,13 +110,13 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
     cache_lengths, capacity = paged_cache
     kv_start = jnp.arange(batch, dtype=jnp.int32) * (0 if page_tiles else capacity)
     kv_end = kv_start + paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
-  elif kv_offsets is None:
+  elif kv_rows is None:
     kv_start, kv_end = q_start, q_end
   else:
-    kv_off = jnp.clip(kv_offsets.astype(jnp.int32), 0, total_kv)
-    kv_start = kv_off[:-1]
-    kv_end = jnp.maximum(kv_off[1:], kv_start)
-  kv_tail = kv_end[-1]
+    kv_start = jnp.clip(kv_rows[0].astype(jnp.int32), 0, total_kv)
+    kv_end = jnp.clip(kv_rows[1].astype(jnp.int32), kv_start, total_kv)
+  # Rows past the batch's last key may hold anything (``operands``' v_tail zeroes them).
+  kv_tail = jnp.max(kv_end)
   # The rows past offsets[-1]: a pseudo-sequence with no keys, stored as zeros.
   q_start = jnp.concatenate([q_start, q_end[-1:]])
   q_end = jnp.concatenate([q_end, jnp.full((1,), total_q, jnp.int32)])
@@ -135,7 +139,8 @@ def work_list(q_offsets, kv_offsets, total_q, total_kv, *, mask, block_q, block_
   i_q_start, i_q_len, i_kv_start, i_kv_len = map(take, (q_start, q_len, kv_start, kv_len))
   row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
   cols = item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
-                      block_q=block_q, block_kv=block_kv, page_tiles=page_tiles)
+                      block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
+                      top_left=top_left)
   lo, hi = cols[L.T_LO], cols[L.T_HI]
   if page_tiles:
     cols.append(jnp.where(live, seq, 0))

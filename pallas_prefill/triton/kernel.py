@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_prefill.config import MhaConfig, default_config
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
+from pallas_prefill.logits import soft_capped
 
 MAX_GRID_DIM = 65535  # CUDA's limit on a launch grid's y and z dimensions
 
@@ -102,11 +103,12 @@ class _Program:
     return lambda ref, head, cols: ref.at[page, pl.ds(row, block_kv), head, cols]
 
 
-def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
-            block_q, block_kv, num_tiles, group):
+def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale, soft_cap,
+            top_left, block_q, block_kv, num_tiles, group):
   refs = list(refs)
   q_off_ref = refs.pop(0)
-  kv_off_ref = refs.pop(0) if kv_layout == "offsets" else None
+  kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_layout == "ranges" else (
+      None, None)
   table_ref, cache_ref = (refs.pop(0), refs.pop(0)) if kv_layout == "paged" else (None, None)
   sink_ref = refs.pop(0) if has_sink else None
   q_refs, refs = refs[:n_q], refs[n_q:]
@@ -124,10 +126,10 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
   total_q = o_ref.shape[0]
   q_start, q_end = _read_range(q_off_ref, b, total_q, force_zero_start=True)
   q_len = q_end - q_start
-  if kv_layout == "offsets":
+  if kv_layout == "ranges":
     total_kv = v_ref.shape[0]
-    kv_start, kv_end = _read_range(kv_off_ref, b, total_kv, force_zero_start=False)
-    kv_len = kv_end - kv_start
+    kv_start = jnp.clip(kv_start_ref[b].astype(jnp.int32), 0, total_kv)
+    kv_len = jnp.clip(kv_end_ref[b].astype(jnp.int32), kv_start, total_kv) - kv_start
   elif kv_layout == "paged":
     capacity = table_ref.shape[1] * v_ref.shape[1]
     cache_len = jnp.clip(cache_ref[b].astype(jnp.int32), 0, capacity)
@@ -137,12 +139,12 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
   program = _Program(q_refs=q_refs, k_refs=k_refs, v_ref=v_ref, o_ref=o_ref, lse_ref=lse_ref,
                      sink_ref=sink_ref, table_ref=table_ref, h=h, kv_head=kv_head, b=b,
                      q_start=q_start, q_len=q_len, kv_start=kv_start, kv_len=kv_len,
-                     start_pos=kv_len - q_len)
+                     start_pos=jnp.int32(0) if top_left else kv_len - q_len)
 
   row0 = tile * block_q
   pl.when(row0 < q_len)(functools.partial(
-      _attend, program, row0, parts=parts, mask=mask, scale=scale, block_q=block_q,
-      block_kv=block_kv))
+      _attend, program, row0, parts=parts, mask=mask, scale=scale, soft_cap=soft_cap,
+      block_q=block_q, block_kv=block_kv))
 
   # Rows that no attention program covers get zeros: a sequence's rows past
   # max_prompt_len (only for offsets that break the contract, under jit), and every row
@@ -156,7 +158,7 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale,
     _zero_rows(o_ref, lse_ref, h, tail + tile_id * block_q, total_q, stride, block_q)
 
 
-def _attend(p: _Program, row0, *, parts, mask, scale, block_q, block_kv):
+def _attend(p: _Program, row0, *, parts, mask, scale, soft_cap, block_q, block_kv):
   """Attention for the query rows [row0, row0 + block_q) of the program's sequence: the
   KV tiles the mask can show, the partial ones masked, then the normalized rows."""
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
@@ -188,7 +190,7 @@ def _attend(p: _Program, row0, *, parts, mask, scale, block_q, block_kv):
   page = p.page_of(t_lo, block_kv) if paged else jnp.int32(0)
   carry = (jnp.zeros((block_q, p.v_ref.shape[-1]), jnp.float32), m0, l0, page)
   step = functools.partial(_kv_step, p, parts, qs, q_pos, mask=mask, scale=scale,
-                           block_kv=block_kv)
+                           soft_cap=soft_cap, block_kv=block_kv)
   masked_step = functools.partial(step, masked=True)
   carry = lax.fori_loop(t_lo, u_lo, masked_step, carry)
   carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
@@ -204,10 +206,11 @@ def _attend(p: _Program, row0, *, parts, mask, scale, block_q, block_kv):
     plt.store(p.lse_ref.at[pl.ds(p.q_start + row0, block_q), p.h], lse, mask=row_valid)
 
 
-def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, block_kv):
-  """KV tile j of the online softmax (base 2, scale including log2(e)): Q.K as the sum of
-  the logit parts' products, the mask (on partial tiles), the running maximum and sum,
-  and P.V; carry = (acc, m, l, the page of tile j when paged)."""
+def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, soft_cap,
+             block_kv):
+  """KV tile j of the online softmax (base 2, scale and soft cap including log2(e)): Q.K
+  as the sum of the logit parts' products, the soft cap, the mask (on partial tiles), the
+  running maximum and sum, and P.V; carry = (acc, m, l, the page of tile j when paged)."""
   acc, m_prev, l_prev, page = carry
   tile_at = p.kv_tile(j, page, block_kv)
   if p.table_ref is not None:
@@ -226,6 +229,8 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, bl
                            preferred_element_type=jnp.float32)
     s = term if s is None else s + term
   s = s * scale
+  if soft_cap is not None:
+    s = soft_capped(s, soft_cap)
   if masked:
     visible = mask.visible(q_pos[:, None], cols[None, :]) & kv_valid[None, :]
     s = jnp.where(visible, s, MASK_VALUE)
@@ -243,9 +248,10 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, bl
   return acc, m_new, l_new, page
 
 
-def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights, *, parts,
+def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                             max_prompt_len, mask, scale, output_dtype, return_lse,
-                            config: MhaConfig | None, interpret: bool, paged=None):
+                            config: MhaConfig | None, interpret: bool, paged=None,
+                            soft_cap=None, top_left=False):
   """The Triton kernel on validated operands (``dispatch.ragged_attention``'s, V padded to
   a power-of-two depth): out [total_q, num_heads, v_depth] in output_dtype, and lse
   [total_q, num_heads] float32 when return_lse. config None picks ``default_config`` for
@@ -266,14 +272,15 @@ def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_offsets, sink_weights
   if paged is not None:
     kv_layout = "paged"
   else:
-    kv_layout = "packed" if kv_offsets is None else "offsets"
+    kv_layout = "packed" if kv_rows is None else "ranges"
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), kv_layout=kv_layout,
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
-      scale=scale * LOG2_E, block_q=config.block_q, block_kv=config.block_kv,
+      scale=scale * LOG2_E, soft_cap=None if soft_cap is None else soft_cap * LOG2_E,
+      top_left=top_left, block_q=config.block_q, block_kv=config.block_kv,
       num_tiles=num_tiles, group=num_heads // num_kv_heads)
   inputs = [q_offsets]
-  inputs += [kv_offsets] if kv_offsets is not None else []
+  inputs += list(kv_rows) if kv_rows is not None else []
   inputs += list(paged) if paged is not None else []
   inputs += [sink_weights] if sink_weights is not None else []
   inputs += [*q_ops, *k_ops, v]

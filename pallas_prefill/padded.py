@@ -1,0 +1,334 @@
+"""``dot_product_attention``: the prefill kernels on the layouts JAX model code holds,
+padded batches ``[batch, seq, heads, depth]`` with per-row lengths (``jax.nn``'s
+``query_seq_lengths`` / ``key_value_seq_lengths``) or packed rows with segment ids
+(MaxText's ``decoder_segment_ids``, Levanter's and splash attention's ``segment_ids``).
+
+Nothing is repacked. The arrays are viewed as ``[batch * seq, heads, depth]`` (a reshape,
+no copy), and each batch row becomes a run of ragged sequences over those rows: its
+sequences (the first L rows, or each maximal run of equal segment ids) with their keys,
+and between them the padding rows as sequences without keys, which the kernels write as
+zeros. Row r of batch row b is row ``b * seq + r`` of the view, so the kernels read every
+token where it already is; K/V rows are given as a start and an end per sequence
+(``dispatch.ragged_attention``'s ``kv_rows``), as FlashAttention-3's ``seqused_k``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_prefill import dispatch
+from pallas_prefill import masks as masks_lib
+from pallas_prefill import mha
+from pallas_prefill import validation as val
+from pallas_prefill.constants import EMPTY_ROW_LSE
+
+LENGTH_DTYPES = (jnp.int32, jnp.uint32)
+
+
+def segment_runs(ids, padding_id, max_segments):
+  """Each batch row's sequences in segment ids ``[batch, seq]``: every maximal run of
+  equal ids that are not ``padding_id`` (None: no padding) is one. Returns (starts,
+  lengths), each ``[batch, max_segments]`` int32: run k of row b is tokens
+  ``[starts[b, k], starts[b, k] + lengths[b, k])``; rows with fewer runs end with empty
+  runs at ``seq``; runs past ``max_segments`` are dropped (their tokens count as padding).
+  Plain jnp, traced ids welcome."""
+  batch, seq = ids.shape
+  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
+  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
+  prev_id = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  new_run = real & (~prev_real | (ids != prev_id))
+  run = jnp.cumsum(new_run, axis=1, dtype=jnp.int32) - 1  # each real token's run
+  keep = real & (run < max_segments)
+  rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], ids.shape)
+  slot = jnp.where(keep, run, max_segments)  # max_segments: dropped
+  tokens = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :], ids.shape)
+  starts = jnp.full((batch, max_segments), seq, jnp.int32).at[rows, slot].min(
+      tokens, mode="drop")
+  lengths = jnp.zeros((batch, max_segments), jnp.int32).at[rows, slot].add(
+      keep.astype(jnp.int32), mode="drop")
+  return starts, lengths
+
+
+def ragged_layout(q_runs, kv_runs, q_seq, kv_seq):
+  """The ragged description of padded rows: q_runs and kv_runs are (starts, lengths)
+  ``[batch, m]`` within each batch row (query run k attends over K/V run k). Returns
+  (q_offsets ``[batch * (2m + 1) + 1]``, kv_starts, kv_ends ``[batch * (2m + 1)]``) over
+  the ``[batch * seq, ...]`` views: per batch row the padding before its first run, then
+  each run followed by the padding after it; padding sequences have no keys."""
+  (qs, ql), (ks, kl) = q_runs, kv_runs
+  batch, m = qs.shape
+  qs = jnp.clip(qs, 0, q_seq)
+  qe = jnp.clip(qs + jnp.clip(ql, 0, None), qs, q_seq)
+  # A run cannot start before the previous one ends: the offsets must not decrease.
+  qe = jax.lax.cummax(qe, axis=1)
+  qs = jnp.minimum(qs, qe)
+  base = jnp.arange(batch, dtype=jnp.int32)[:, None] * q_seq
+  bounds = jnp.stack([qs, qe], axis=2).reshape(batch, 2 * m) + base
+  q_offsets = jnp.concatenate(
+      [jnp.concatenate([base, bounds], axis=1).reshape(-1),
+       jnp.full((1,), batch * q_seq, jnp.int32)])
+  kv_base = jnp.arange(batch, dtype=jnp.int32)[:, None] * kv_seq
+  ks = jnp.clip(ks, 0, kv_seq)
+  ke = jnp.clip(ks + jnp.clip(kl, 0, None), ks, kv_seq)
+  zeros = jnp.zeros((batch, m), jnp.int32)
+  # Per row: [lead gap, (run, gap) * m]; a gap's keys are the empty range [0, 0).
+  def per_seq(run_value):
+    pairs = jnp.stack([run_value, zeros], axis=2).reshape(batch, 2 * m)
+    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), pairs], axis=1).reshape(-1)
+  kv_starts = per_seq(jnp.where(ke > ks, ks + kv_base, 0))
+  kv_ends = per_seq(jnp.where(ke > ks, ke + kv_base, 0))
+  return q_offsets.astype(jnp.int32), kv_starts, kv_ends
+
+
+def window_mask(is_causal, local_window_size):
+  """The ``pallas_prefill.masks`` mask for jax.nn's ``is_causal`` and
+  ``local_window_size`` (an int w means (w, w): query i sees keys [i - left, i + right])."""
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if local_window_size is None:
+    return masks_lib.CausalMask() if is_causal else masks_lib.NullMask()
+  window = local_window_size
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    window = (int(window), int(window))
+  if (not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+      isinstance(w, bool) or not isinstance(w, (int, np.integer)) for w in window)):
+    raise TypeError("local_window_size must be None, an int or a (left, right) pair of "
+                    f"ints, got {local_window_size!r}")
+  left, right = (int(w) for w in window)
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+  if right > 0 and not is_causal:
+    raise ValueError(
+        f"local_window_size={local_window_size!r} without is_causal lets queries see "
+        f"{right} keys to their right, which the masks cannot express: they support "
+        "(left, 0), with or without is_causal, and any window with is_causal=True (which "
+        "hides the right side)")
+  return masks_lib.SlidingWindowCausalMask(left + 1)
+
+
+def _check_lengths(name, lengths, batch, size):
+  if lengths is None:
+    return
+  val.check_array(name, lengths, 1)
+  if jnp.dtype(lengths.dtype) not in [jnp.dtype(d) for d in LENGTH_DTYPES]:
+    raise TypeError(f"{name} must be int32 (or uint32), got {lengths.dtype}")
+  if lengths.shape[0] != batch:
+    raise ValueError(f"{name} must have shape [batch] = [{batch}], got "
+                     f"{tuple(lengths.shape)}")
+  if val.is_concrete(lengths):
+    arr = np.asarray(lengths).astype(np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr > size))
+    if bad.size:
+      raise ValueError(f"{name}[{bad[0]}] = {arr[bad[0]]} is outside [0, {size}], the "
+                       "padded length of its axis")
+
+
+def _check_ids(name, ids, batch, size):
+  val.check_array(name, ids, 2)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array (int32), got {ids.dtype}")
+  if tuple(ids.shape) != (batch, size):
+    raise ValueError(f"{name} must have shape [batch, seq] = [{batch}, {size}], got "
+                     f"{tuple(ids.shape)}")
+
+
+def _runs_needed(ids, padding_id) -> int:
+  """The most sequences any row of concrete segment ids holds."""
+  ids = np.asarray(ids)
+  real = np.ones(ids.shape, bool) if padding_id is None else ids != padding_id
+  prev_real = np.pad(real[:, :-1], ((0, 0), (1, 0)))
+  prev = np.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  return int((real & (~prev_real | (ids != prev))).sum(axis=1).max(initial=0))
+
+
+def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
+  """Validated (q_ids, kv_ids, max_segments) for the segment-id layout."""
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be one [batch, seq] array or a (q_ids, kv_ids) "
+                       f"pair, got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if s != t:
+      raise ValueError(f"one segment_ids array needs query and key/value of one length; "
+                       f"got {t} and {s}: pass a (q_ids, kv_ids) pair")
+    q_ids = kv_ids = segment_ids
+  _check_ids("segment_ids (queries)", q_ids, batch, t)
+  _check_ids("segment_ids (keys/values)", kv_ids, batch, s)
+  if padding_segment_id is not None and (
+      isinstance(padding_segment_id, bool)
+      or not isinstance(padding_segment_id, (int, np.integer))):
+    raise TypeError(f"padding_segment_id must be a static int or None, got "
+                    f"{padding_segment_id!r}")
+  concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
+  if max_segments is None:
+    if not concrete:
+      raise ValueError("max_segments (a static int bounding the sequences per batch row) "
+                       "is needed with traced segment_ids")
+    max_segments = max(1, _runs_needed(q_ids, padding_segment_id),
+                       _runs_needed(kv_ids, padding_segment_id))
+    max_segments = 1 << (max_segments - 1).bit_length()  # fewer recompilations
+  if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or (
+      max_segments < 1):
+    raise ValueError(f"max_segments must be a static int >= 1, got {max_segments!r}")
+  if concrete:
+    for name, ids in (("segment_ids (queries)", q_ids), ("segment_ids (keys/values)",
+                                                           kv_ids)):
+      need = _runs_needed(ids, padding_segment_id)
+      if need > max_segments:
+        raise ValueError(f"{name} hold {need} sequences in one batch row, more than "
+                         f"max_segments = {max_segments}")
+  return q_ids, kv_ids, int(max_segments)
+
+
+def dot_product_attention(query, key, value, *, query_seq_lengths=None,
+                          key_value_seq_lengths=None, is_causal=False,
+                          local_window_size=None, scale=None, sink_weights=None,
+                          logits_soft_cap=None, segment_ids=None, padding_segment_id=None,
+                          max_segments=None, output_dtype=None, return_lse=False,
+                          backend=None, interpret=None):
+  """Attention over a padded batch, with ``jax.nn.dot_product_attention``'s layout and
+  meaning, computing only the real tokens.
+
+  Args:
+    query: [batch, T, num_heads, head_dim], bfloat16, float16 or float32.
+    key: [batch, S, num_kv_heads, head_dim], same dtype; num_heads % num_kv_heads == 0.
+    value: [batch, S, num_kv_heads, head_dim_v], same dtype.
+    query_seq_lengths: optional [batch] int32: the first L rows of each batch row are
+      real queries (default T); the others output zeros.
+    key_value_seq_lengths: optional [batch] int32: the first L rows of each batch row are
+      real keys (default S).
+    is_causal: as in ``jax.nn``: query i sees keys j <= i of its row (or segment); the
+      positions start at 0 for queries and keys alike (top-left), also when T != S.
+    local_window_size: None, an int w (the window (w, w)) or (left, right): query i sees
+      keys [i - left, i + right]. Supported: right == 0, or any window with is_causal
+      (which hides the right side); other windows raise ValueError.
+    scale: the logit scale, a static float; default 1/sqrt(head_dim).
+    sink_weights: optional [num_heads] float attention-sink logits (``mha_prefill``'s).
+    logits_soft_cap: None, or a static float cap > 0: logits become
+      ``cap * tanh(logits / cap)`` after the scale, before the mask.
+    segment_ids: optional [batch, T] integer ids shared by queries and keys (T == S), or a
+      pair (q_ids [batch, T], kv_ids [batch, S]) for cross-attention: each maximal run of
+      equal ids in a row is one sequence (the k-th query run attends over the k-th key
+      run), positions restart at each run, and tokens whose id is
+      ``padding_segment_id`` are padding. Not together with the lengths.
+    padding_segment_id: the static int id of padding tokens (MaxText: 0, Levanter: -1);
+      None: every token belongs to a sequence.
+    max_segments: static int bound on the sequences per batch row; None: counted from
+      concrete segment ids (rounded up to a power of two), required under jit.
+    output_dtype: default query's dtype.
+    return_lse: also return the float32 natural-log log-sum-exp [batch, T, num_heads]
+      (padding rows: -1e30).
+    backend: None or "auto" (Mosaic GPU on Hopper where it serves, else Triton),
+      "triton" or "mosaic_gpu", as in ``mha_prefill``.
+    interpret: the Pallas interpreter; None: exactly on the CPU.
+
+  Padding rows of key and value are never used, but on Mosaic GPU they must be finite
+  (rows next to a sequence's keys enter its matrix products with weight zero, and
+  0 * NaN is NaN, as in ``jax.nn``'s XLA implementation); Triton reads none of them.
+
+  Returns:
+    out [batch, T, num_heads, head_dim_v] in output_dtype (rows past a query length, or
+    of padding tokens, are zeros), or (out, lse) when return_lse. On the real rows it
+    equals ``jax.nn.dot_product_attention(..., implementation="xla")`` with the same
+    arguments to rounding (queries that see no key output zeros).
+
+  Raises:
+    TypeError, ValueError: static problems naming the argument (ranks, shapes, dtypes,
+      head counts, lengths or segment ids of the wrong shape or dtype, lengths with
+      segment ids, a window the masks cannot express, logits_soft_cap <= 0), concrete
+      lengths outside [0, T] or [0, S], and concrete segment ids with more sequences in a
+      row than max_segments. Under jit nothing checks values: lengths and runs are
+      clamped, so garbage gives garbage rows but no access outside the arrays or NaN.
+    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    val.check_array(name, x, 4)
+    val.check_float_dtype(name, x)
+  if len({jnp.dtype(x.dtype) for x in (query, key, value)}) > 1:
+    raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, "
+                    f"{key.dtype}, {value.dtype}")
+  batch, t, num_heads, head_dim = query.shape
+  if key.shape[0] != batch or value.shape[0] != batch:
+    raise ValueError(f"query, key and value must share the batch size, got {query.shape}, "
+                     f"{key.shape}, {value.shape}")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key and value must agree in batch, length and heads: key "
+                     f"{key.shape}, value {value.shape}")
+  if key.shape[-1] != head_dim:
+    raise ValueError(f"query and key head dims differ: query {query.shape}, key {key.shape}")
+  s, num_kv_heads = key.shape[1:3]
+  val.check_heads(num_heads, num_kv_heads)
+  val.check_head_dim("head_dim", head_dim)
+  val.check_head_dim("head_dim_v", value.shape[-1])
+  mask = window_mask(is_causal, local_window_size)
+  backend = "auto" if backend is None else backend
+  if sink_weights is not None:
+    val.check_array("sink_weights", sink_weights, 1)
+    if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
+                                                                jnp.floating):
+      raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
+                       f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+  if segment_ids is not None:
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+      raise ValueError("segment_ids and query_seq_lengths/key_value_seq_lengths describe "
+                       "the sequences twice: pass one or the other")
+    q_ids, kv_ids, max_segments = _segment_pair(segment_ids, padding_segment_id,
+                                                max_segments, batch, t, s)
+    layout = ("segments", q_ids, kv_ids)
+  else:
+    if padding_segment_id is not None or max_segments is not None:
+      raise ValueError("padding_segment_id and max_segments go with segment_ids")
+    _check_lengths("query_seq_lengths", query_seq_lengths, batch, t)
+    _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s)
+    layout = ("lengths", query_seq_lengths, key_value_seq_lengths)
+  val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
+                    output_dtype=output_dtype, config=None, interpret=interpret,
+                    backend=backend, logits_soft_cap=logits_soft_cap)
+  static = dispatch.static_options(
+      query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
+      output_dtype=output_dtype, return_lse=return_lse, config=None, interpret=interpret,
+      backend=backend, logits_soft_cap=logits_soft_cap)
+  return _padded_attention(query, key, value, *layout[1:], sink_weights,
+                           segments=layout[0] == "segments",
+                           padding_segment_id=padding_segment_id,
+                           max_segments=max_segments, **static)
+
+
+@functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS + (
+    "segments", "padding_segment_id", "max_segments"))
+def _padded_attention(query, key, value, q_info, kv_info, sink_weights, *, segments,
+                      padding_segment_id, max_segments, **static):
+  """The padded layout under jit: the ragged description (``ragged_layout``), the kernel
+  on the ``[batch * seq, heads, depth]`` views, the outputs viewed back."""
+  batch, t, num_heads, _ = query.shape
+  s = key.shape[1]
+  if segments:
+    q_runs = segment_runs(q_info, padding_segment_id, max_segments)
+    kv_runs = segment_runs(kv_info, padding_segment_id, max_segments)
+  else:
+    def whole(lengths, size):
+      lengths = (jnp.full((batch,), size, jnp.int32) if lengths is None
+                 else jnp.clip(lengths.astype(jnp.int32), 0, size))
+      return jnp.zeros((batch, 1), jnp.int32), lengths[:, None]
+    q_runs, kv_runs = whole(q_info, t), whole(kv_info, s)
+  q_offsets, kv_starts, kv_ends = ragged_layout(q_runs, kv_runs, t, s)
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  (a view: no copy)
+  out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,
+                              kv_ends, sink_weights, top_left=True, **static)
+  if not static["return_lse"]:
+    return out.reshape(batch, t, num_heads, -1)
+  out, lse = out
+  if sink_weights is not None:
+    # Padding rows see no key but would report the sink's LSE: they are no query's.
+    starts, lengths = q_runs
+    r = jnp.arange(t, dtype=jnp.int32)[None, :, None]
+    real = ((r >= starts[:, None, :]) & (r < starts[:, None, :] + lengths[:, None, :])).any(
+        axis=2)
+    lse = jnp.where(real.reshape(-1)[:, None], lse, EMPTY_ROW_LSE)
+  return out.reshape(batch, t, num_heads, -1), lse.reshape(batch, t, num_heads)
+

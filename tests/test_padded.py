@@ -1,0 +1,369 @@
+"""``dot_product_attention``: padded batches with lengths and segment ids, against our
+float32 reference and against ``jax.nn.dot_product_attention`` (XLA), in interpret mode;
+its lowering for an H200 (both backends) with no copy of Q, K, V or the output around the
+kernel; and its errors. ``PADDED_CASES`` run compiled on the H200 in ``test_gpu.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_prefill as pp
+from pallas_prefill.constants import EMPTY_ROW_LSE
+from tests import cases as shared
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedCase:
+  """One padded call. q_lens: per batch row (None: no query_seq_lengths); kv_lens: "same"
+  (key_value_seq_lengths = q_lens), None (not given) or per row; segments: rows of segment
+  ids (then no lengths), kv_segments: the K/V rows' ids for cross-attention."""
+
+  t: int = 64
+  s: int | None = None  # None: t
+  q_lens: tuple | None = (64, 17, 0, 1, 33)
+  kv_lens: tuple | str | None = "same"
+  segments: tuple | None = None
+  kv_segments: tuple | None = None
+  padding_id: int | None = 0
+  max_segments: int | None = None
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 64
+  head_dim_v: int | None = None
+  dtype: str = "bfloat16"
+  is_causal: bool = True
+  window: object = None
+  sink: bool = False
+  lse: bool = False
+  soft_cap: float | None = None
+  output_dtype: str | None = None
+  jit: bool = False  # lengths / ids traced under the caller's jit
+
+  @property
+  def name(self) -> str:
+    fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+              if getattr(self, f.name) != f.default]
+    return ",".join(fields) or "base"
+
+  @property
+  def batch(self) -> int:
+    rows = self.segments if self.segments is not None else self.q_lens
+    return len(rows) if rows is not None else 3
+
+
+def _runs(ids, padding_id):
+  """Rows of ids -> per row the list of (start, length) runs."""
+  out = []
+  for row in ids:
+    runs, prev = [], None
+    for i, x in enumerate(row):
+      if x == padding_id:
+        prev = None
+        continue
+      if x != prev:
+        runs.append([i, 0])
+      runs[-1][1] += 1
+      prev = x
+    out.append(runs)
+  return out
+
+
+SEG_ROWS = (  # t = 48: padding in the middle and at the end, leading padding, none, all
+    (1,) * 10 + (2,) * 5 + (0,) * 3 + (3,) * 20 + (0,) * 10,
+    (0,) * 4 + (7,) * 44,
+    (0,) * 48,
+    (5,) * 48,
+    (1, 1, 2, 2, 2, 3) * 8,
+)
+KV_SEG_ROWS = (  # s = 40 for the cross-attention pair: the k-th runs pair up
+    (4,) * 7 + (0,) * 3 + (5,) * 20 + (6,) * 10,
+    (1,) * 40,
+    (0,) * 40,
+    (2,) * 13 + (0,) * 27,
+    (1,) * 10 + (2,) * 10 + (0,) * 20,
+)
+
+
+def _cases():
+  base = PaddedCase()
+  r = dataclasses.replace
+  seg = r(base, t=48, q_lens=None, kv_lens=None, segments=SEG_ROWS, max_segments=16)
+  cross = r(base, t=48, s=80, q_lens=(48, 5, 0, 20), kv_lens=(80, 0, 7, 33))
+  return [
+      base,
+      r(base, is_causal=False),
+      r(base, t=37, q_lens=(37, 36, 8, 0)),  # T not a multiple of any tile
+      r(base, q_lens=None, kv_lens=None),  # every row full
+      r(base, kv_lens=None),  # only the queries' lengths: every key is real
+      r(base, kv_heads=4), r(base, kv_heads=1), r(base, heads=8, kv_heads=2),
+      r(base, window=(5, 0)), r(base, window=(7, 3)), r(base, window=4),
+      r(base, window=(4, 0), is_causal=False),
+      r(base, sink=True, lse=True), r(base, lse=True, output_dtype="float32"),
+      r(base, soft_cap=1.5, lse=True), r(base, soft_cap=30.0, sink=True, lse=True),
+      r(base, head_dim=128), r(base, head_dim=96, head_dim_v=32), r(base, head_dim=32),
+      r(base, dtype="float16"), r(base, dtype="float32"),
+      cross, r(cross, is_causal=False, lse=True), r(cross, sink=True, lse=True),
+      r(cross, window=(6, 0)),
+      seg, r(seg, is_causal=False, lse=True), r(seg, sink=True, lse=True, window=(5, 0)),
+      r(seg, soft_cap=2.0), r(seg, max_segments=None),
+      r(seg, segments=tuple(tuple(-1 if x == 0 else x for x in row) for row in SEG_ROWS),
+        padding_id=-1),  # Levanter's padding id
+      r(seg, segments=SEG_ROWS[3:], padding_id=None, max_segments=1),  # no padding id
+      r(seg, s=40, kv_segments=KV_SEG_ROWS, lse=True),  # cross-attention pair
+      r(seg, s=40, kv_segments=KV_SEG_ROWS, is_causal=False),
+      r(base, jit=True, lse=True), r(seg, jit=True, sink=True, lse=True),
+  ]
+
+
+PADDED_CASES = _cases()
+
+
+def make_inputs(case: PaddedCase, seed: int, *, poison):
+  """(args, kwargs, real [b, t] bool, clean args): q, k, v with every padding row set to
+  `poison` (NaN where the backend must never read them, a large finite value where it
+  may read but must weigh them zero), and the same arrays with zero padding."""
+  rng = np.random.default_rng(seed)
+  b, t, s = case.batch, case.t, case.s or case.t
+  dt = jnp.dtype(case.dtype)
+  dv = case.head_dim_v or case.head_dim
+  q = rng.standard_normal((b, t, case.heads, case.head_dim))
+  k = rng.standard_normal((b, s, case.kv_heads, case.head_dim))
+  v = rng.standard_normal((b, s, case.kv_heads, dv))
+  kw = dict(is_causal=case.is_causal, local_window_size=case.window,
+            logits_soft_cap=case.soft_cap, return_lse=case.lse,
+            output_dtype=case.output_dtype)
+  if case.sink:
+    kw["sink_weights"] = jnp.asarray(rng.standard_normal(case.heads) * 2, jnp.float32)
+  if case.segments is not None:
+    q_ids = np.asarray(case.segments, np.int32)
+    kv_ids = q_ids if case.kv_segments is None else np.asarray(case.kv_segments, np.int32)
+    kw.update(segment_ids=jnp.asarray(q_ids) if case.kv_segments is None else (
+        jnp.asarray(q_ids), jnp.asarray(kv_ids)), padding_segment_id=case.padding_id,
+              max_segments=case.max_segments)
+    bound = case.max_segments or 10**9
+    q_real = np.zeros((b, t), bool)
+    kv_real = np.zeros((b, s), bool)
+    for real, ids in ((q_real, q_ids), (kv_real, kv_ids)):
+      for row, runs in enumerate(_runs(ids, case.padding_id)):
+        for start, n in runs[:bound]:
+          real[row, start:start + n] = True
+  else:
+    q_lens = np.full(b, t) if case.q_lens is None else np.asarray(case.q_lens)
+    kv_lens = {"same": case.q_lens, None: None}.get(case.kv_lens, case.kv_lens) if (
+        isinstance(case.kv_lens, (str, type(None)))) else case.kv_lens
+    kv_lens = np.full(b, s) if kv_lens is None else np.asarray(kv_lens)
+    if case.q_lens is not None:
+      kw["query_seq_lengths"] = jnp.asarray(q_lens, jnp.int32)
+    if case.kv_lens is not None:
+      kw["key_value_seq_lengths"] = jnp.asarray(kv_lens, jnp.int32)
+    q_real = np.arange(t)[None] < q_lens[:, None]
+    kv_real = np.arange(s)[None] < kv_lens[:, None]
+  clean = [np.where(real[:, :, None, None], x, 0.0) for x, real in
+           ((q, q_real), (k, kv_real), (v, kv_real))]
+  dirty = [np.where(real[:, :, None, None], x, poison) for x, real in
+           ((q, q_real), (k, kv_real), (v, kv_real))]
+  to = lambda xs: tuple(jnp.asarray(x, dt) for x in xs)  # noqa: E731
+  return to(dirty), kw, q_real, to(clean)
+
+
+def _call(case, args, kw, **extra):
+  if not case.jit:
+    return pp.dot_product_attention(*args, **kw, **extra)
+  traced = {n: kw.pop(n) for n in ("query_seq_lengths", "key_value_seq_lengths",
+                                   "segment_ids", "sink_weights") if n in kw}
+  return jax.jit(lambda a, tr: pp.dot_product_attention(*a, **tr, **kw, **extra))(args,
+                                                                                  traced)
+
+
+def check_padded(case: PaddedCase, *, interpret, backend="triton"):
+  """Runs the case on fresh random inputs whose padding rows are poisoned; compares with
+  the float32 reference everywhere (padding rows: zeros, LSE -1e30) and, on the rows
+  that see a key, with ``jax.nn.dot_product_attention`` where it has the arguments."""
+  seed = shared.fresh_seed()
+  tag = f"{case.name} seed={seed}"
+  poison = np.nan if backend == "triton" else 1e3
+  args, kw, q_real, clean = make_inputs(case, seed, poison=poison)
+  expected = pp.reference.dot_product_attention_reference(*clean, **kw)
+  result = _call(case, args, dict(kw), backend=backend, interpret=interpret)
+  out, lse = result if case.lse else (result, None)
+  ref_out, ref_lse = expected if case.lse else (expected, None)
+  assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, tag
+  out32 = np.asarray(out, np.float32)
+  assert np.isfinite(out32).all(), f"non-finite output: {tag}"
+  assert not np.any(out32[~q_real]), f"padding rows not zero: {tag}"
+  err = shared.rel_err(out32, ref_out)
+  assert err < shared.TOLERANCE[case.dtype], f"relative error {err:.2e}: {tag}"
+  if lse is not None:
+    lse = np.asarray(lse)
+    assert lse.shape == out.shape[:3] and lse.dtype == np.float32, tag
+    assert (lse[~q_real] == EMPTY_ROW_LSE).all(), tag
+    np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-3, atol=2e-2, err_msg=tag)
+  if not (case.sink or case.soft_cap or case.segments is not None):
+    # jax.nn on the clean arrays (its XLA path multiplies padding by zero: NaN would
+    # spread); rows that see no key are ours to define (zeros), jax.nn's are undefined.
+    nn_kw = {n: kw[n] for n in ("query_seq_lengths", "key_value_seq_lengths",
+                                "is_causal", "local_window_size") if n in kw}
+    nn = jax.nn.dot_product_attention(*clean, implementation="xla", **nn_kw)
+    ones = [jnp.ones_like(x) for x in clean]
+    sees = np.asarray(pp.reference.dot_product_attention_reference(*ones, **{
+        **kw, "return_lse": False, "sink_weights": None}))[..., 0] > 0
+    diff = np.where(sees[..., None], out32 - np.asarray(nn, np.float32), 0)
+    scale = max(float(np.abs(np.asarray(nn, np.float32)[sees]).max(initial=0)), 1.0)
+    assert np.abs(diff).max() <= 4 * shared.TOLERANCE[case.dtype] * scale, tag
+  return err
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=lambda c: c.name)
+def test_padded_interpret(case):
+  check_padded(case, interpret=True)
+
+
+# --------------------------------------------------------------------------------------
+# Lowering for an H200: both backends, and nothing copied around the kernel.
+
+def _lower(backend, *, lengths=True, segments=False, b=4, t=512, heads=8, kv_heads=2,
+           depth=128, soft_cap=None):
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  s = jax.ShapeDtypeStruct
+  q = s((b, t, heads, depth), jnp.bfloat16)
+  kv = s((b, t, kv_heads, depth), jnp.bfloat16)
+  lens = s((b,), jnp.int32)
+  ids = s((b, t), jnp.int32)
+
+  def fn(q, k, v, lens, ids):
+    kw = dict(query_seq_lengths=lens, key_value_seq_lengths=lens) if lengths else {}
+    if segments:
+      kw = dict(segment_ids=ids, padding_segment_id=0, max_segments=4)
+    return pp.dot_product_attention(q, k, v, is_causal=True, backend=backend,
+                                    interpret=False, logits_soft_cap=soft_cap, **kw)
+  return lower_for_h200(fn, q, kv, kv, lens, ids)
+
+
+def _kernel_call(module):
+  """The attention kernel's custom call: the one with the largest operands (Mosaic GPU's
+  work-list kernel is another, over the offsets alone)."""
+  from tests import lowered  # pylint: disable=g-import-not-at-top
+  return max(lowered.custom_calls(module), key=lambda c: sum(
+      int(np.prod(o.type.shape)) for o in c.operands if hasattr(o.type, "shape")))
+
+
+def _producers(value):
+  """Op names from `value` back to a block argument (through single-operand ops)."""
+  names = []
+  while True:
+    owner = value.owner
+    if not hasattr(owner, "name"):
+      return names  # a block argument
+    names.append(owner.name)
+    if len(owner.operands) != 1:
+      return names
+    value = owner.operands[0]
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("layout", ["lengths", "segments", "full"])
+def test_padded_lowers_without_copies(backend, layout):
+  """Q, K and V reach the kernel as reshapes of the arguments, and the output leaves it
+  through a reshape: no pad, gather, concatenate or transpose of them in between."""
+  lowered = _lower(backend, lengths=layout == "lengths", segments=layout == "segments")
+  module = lowered.compiler_ir()
+  call = _kernel_call(module)
+  big = [o for o in call.operands if len(o.type.shape) == 3 and o.type.shape[0] == 4 * 512]
+  assert len(big) == 3, [str(o.type) for o in call.operands]
+  for operand in big:
+    chain = _producers(operand)
+    assert set(chain) <= {"stablehlo.reshape"}, chain
+  out = call.results[0]
+  users = [u.owner.name for u in out.uses]
+  assert users and set(users) <= {"stablehlo.reshape", "func.return"}, users
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+def test_soft_cap_lowers(backend):
+  text = _lower(backend, soft_cap=50.0).as_text()
+  assert "ragged_prefill_attention" in text or "mosaic" in text
+
+
+# --------------------------------------------------------------------------------------
+# Errors.
+
+def _args(b=2, t=16, s=None, heads=4, kv_heads=2, depth=32, dtype=jnp.float32):
+  s = s or t
+  x = jnp.ones((b, t, heads, depth), dtype)
+  kv = jnp.ones((b, s, kv_heads, depth), dtype)
+  return x, kv, kv
+
+
+ERRORS = [
+    (dict(query=jnp.ones((16, 4, 32))), ValueError, "query must have rank 4"),
+    (dict(value=jnp.ones((2, 16, 2, 32), jnp.bfloat16)), TypeError, "share a dtype"),
+    (dict(key=jnp.ones((3, 16, 2, 32))), ValueError, "batch"),
+    (dict(key=jnp.ones((2, 16, 3, 32)), value=jnp.ones((2, 16, 3, 32))), ValueError,
+     "multiple of num_kv_heads"),
+    (dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.ones((2, 1), jnp.int32)), ValueError, "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.asarray([3, 17], jnp.int32)), ValueError,
+     r"query_seq_lengths\[1\] = 17"),
+    (dict(key_value_seq_lengths=jnp.asarray([-1, 2], jnp.int32)), ValueError,
+     "key_value_seq_lengths"),
+    (dict(segment_ids=jnp.ones((2, 15), jnp.int32)), ValueError, "segment_ids"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.float32)), TypeError, "segment_ids"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.int32),
+          query_seq_lengths=jnp.ones((2,), jnp.int32)), ValueError, "one or the other"),
+    (dict(segment_ids=jnp.asarray([[1, 2] * 8] * 2, jnp.int32), max_segments=4),
+     ValueError, "more than max_segments = 4"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.int32), max_segments=0), ValueError,
+     "max_segments"),
+    (dict(padding_segment_id=0), ValueError, "go with segment_ids"),
+    (dict(local_window_size=(3, 2)), ValueError, "cannot express"),
+    (dict(local_window_size=(-1, 0), is_causal=True), ValueError, "non-negative"),
+    (dict(local_window_size="3"), TypeError, "local_window_size"),
+    (dict(is_causal=1), TypeError, "is_causal"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
+    (dict(sink_weights=jnp.ones((3,))), ValueError, "sink_weights"),
+    (dict(backend="cuda"), ValueError, "backend"),
+]
+
+
+@pytest.mark.parametrize("changes,error,match", ERRORS, ids=lambda x: str(x)[:40])
+def test_bad_input_raises(changes, error, match):
+  q, k, v = _args()
+  changes = dict(changes)
+  q, k, v = (changes.pop(n, x) for n, x in (("query", q), ("key", k), ("value", v)))
+  with pytest.raises(error, match=match):
+    pp.dot_product_attention(q, k, v, **changes)
+
+
+def test_one_segment_array_needs_equal_lengths():
+  q, k, v = _args(s=24)
+  with pytest.raises(ValueError, match="pair"):
+    pp.dot_product_attention(q, k, v, segment_ids=jnp.ones((2, 16), jnp.int32))
+
+
+def test_traced_segment_ids_need_max_segments():
+  q, k, v = _args()
+  with pytest.raises(ValueError, match="max_segments"):
+    jax.jit(lambda ids: pp.dot_product_attention(q, k, v, segment_ids=ids))(
+        jnp.ones((2, 16), jnp.int32))
+
+
+def test_garbage_under_jit_gives_finite_rows():
+  """Traced lengths past the arrays and ids with more runs than max_segments are clamped:
+  finite outputs, no access outside the arrays."""
+  q, k, v = _args()
+  q = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+  lens = jnp.asarray([2**30, -5], jnp.int32)
+  out = jax.jit(lambda n: pp.dot_product_attention(
+      q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True))(lens)
+  assert np.isfinite(np.asarray(out)).all()
+  ids = jnp.asarray(np.random.default_rng(0).integers(-3, 3, (2, 16)), jnp.int32)
+  out = jax.jit(lambda i: pp.dot_product_attention(
+      q, k, v, segment_ids=i, padding_segment_id=0, max_segments=2))(ids)
+  assert np.isfinite(np.asarray(out)).all()
