@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_prefill as pp
@@ -229,3 +230,71 @@ def test_mosaic_two_calls_on_the_same_offsets_in_one_jit():
   for q, result in zip((q1, q2), results):
     expected = pp.reference.mha_prefill_reference(q, k, v, off, **kwargs)
     cases.check_outputs(case, result, expected, last_row, seed)
+
+
+# --------------------------------------------------------------------------------------
+# dot_product_attention (issue 23): padded batches, both backends compiled.
+
+from tests import test_padded  # noqa: E402  pylint: disable=g-import-not-at-top
+
+_PADDED_LARGE = test_padded.PaddedCase(t=4096, q_lens=(4096, 1000, 1, 0, 2047, 77),
+                                       heads=32, kv_heads=8, head_dim=128)
+PADDED_GPU_CASES = test_padded.PADDED_CASES + [
+    _PADDED_LARGE,
+    dataclasses.replace(_PADDED_LARGE, lse=True, sink=True, soft_cap=30.0),
+    dataclasses.replace(_PADDED_LARGE, window=(511, 0)),
+    dataclasses.replace(_PADDED_LARGE, t=1024, s=3000, q_lens=(1024, 5, 0, 700, 1, 64),
+                        kv_lens=(3000, 2999, 7, 0, 1, 1500), lse=True),
+    dataclasses.replace(_PADDED_LARGE, t=2048, q_lens=None, kv_lens=None,
+                        segments=tuple(tuple(x for x in ([1] * 700 + [0] * 48 + [2] * 1000
+                                                         + [3] * 300)[:2048])
+                                       for _ in range(3)), max_segments=4, lse=True),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("case", PADDED_GPU_CASES, ids=lambda c: c.name)
+def test_padded_compiled(case, backend):
+  if backend == "mosaic_gpu" and case.dtype == "float32":
+    with pytest.raises(NotImplementedError, match="float32"):
+      test_padded.check_padded(case, interpret=False, backend=backend)
+    return
+  poison_device_memory()
+  test_padded.check_padded(case, interpret=False, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu", None])
+@pytest.mark.parametrize("layout", ["lengths", "segments"])
+def test_padded_compiled_hlo_copies_nothing(backend, layout):
+  """The compiled program around the kernel: every instruction whose result has Q's, K's,
+  V's or the output's size is a parameter, a bitcast (the reshapes), the kernel's custom
+  call or a tuple access: no copy, fusion or transpose of them."""
+  b, t, heads, kv_heads, depth = 4, 1024, 16, 4, 128
+  q = jnp.ones((b, t, heads, depth), jnp.bfloat16)
+  kv = jnp.ones((b, t, kv_heads, depth), jnp.bfloat16)
+  lens = jnp.asarray([1024, 3, 500, 0], jnp.int32)
+  ids = jnp.ones((b, t), jnp.int32)
+
+  def fn(q, k, v, lens, ids):
+    kw = (dict(query_seq_lengths=lens, key_value_seq_lengths=lens) if layout == "lengths"
+          else dict(segment_ids=ids, padding_segment_id=0, max_segments=4))
+    return pp.dot_product_attention(q, k, v, is_causal=True, backend=backend, **kw)
+
+  text = jax.jit(fn).lower(q, kv, kv, lens, ids).compile().as_text()
+  sizes = {b * t * heads * depth, b * t * kv_heads * depth}
+  allowed = ("parameter", "bitcast", "custom-call", "get-tuple-element", "tuple")
+  checked = 0
+  for line in text.splitlines():
+    line = line.strip()
+    if " = " not in line or "[" not in line:
+      continue
+    result_type = line.split(" = ", 1)[1].split(" ", 1)[0]
+    if not result_type.startswith("bf16["):
+      continue
+    dims = result_type[5:].split("]", 1)[0]
+    if not dims or int(np.prod([int(d) for d in dims.split(",")])) not in sizes:
+      continue
+    op = line.split(" = ", 1)[1].split(" ", 1)[1].split("(", 1)[0]
+    checked += 1
+    assert op in allowed, line
+  assert checked >= 4, text
