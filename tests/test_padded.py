@@ -46,7 +46,11 @@ class PaddedCase:
 
   @property
   def name(self) -> str:
-    fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+    def show(name, value):  # segment ids by their first row's runs, not all their ids
+      if name in ("segments", "kv_segments"):
+        return f"{name}=" + "/".join(f"{a}+{n}" for a, n in _runs(value[:1], self.padding_id)[0])
+      return f"{name}={value}"
+    fields = [show(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
               if getattr(self, f.name) != f.default]
     return ",".join(fields) or "base"
 
@@ -92,7 +96,7 @@ KV_SEG_ROWS = (  # s = 40 for the cross-attention pair: the k-th runs pair up
 def _cases():
   base = PaddedCase()
   r = dataclasses.replace
-  seg = r(base, t=48, q_lens=None, kv_lens=None, segments=SEG_ROWS, max_segments=16)
+  seg = r(base, t=48, q_lens=None, kv_lens=None, segments=SEG_ROWS, max_segments=32)
   cross = r(base, t=48, s=80, q_lens=(48, 5, 0, 20), kv_lens=(80, 0, 7, 33))
   return [
       base,
@@ -113,7 +117,8 @@ def _cases():
       r(seg, soft_cap=2.0), r(seg, max_segments=None),
       r(seg, segments=tuple(tuple(-1 if x == 0 else x for x in row) for row in SEG_ROWS),
         padding_id=-1),  # Levanter's padding id
-      r(seg, segments=SEG_ROWS[3:], padding_id=None, max_segments=1),  # no padding id
+      r(seg, segments=SEG_ROWS[3:], padding_id=None),  # no padding id
+      r(seg, max_segments=24, segments=SEG_ROWS[4:] + SEG_ROWS[:1]),  # exactly enough
       r(seg, s=40, kv_segments=KV_SEG_ROWS, lse=True),  # cross-attention pair
       r(seg, s=40, kv_segments=KV_SEG_ROWS, is_causal=False),
       r(base, jit=True, lse=True), r(seg, jit=True, sink=True, lse=True),
