@@ -21,7 +21,11 @@ told apart.
 GPU system (``systems.mosaic_config``); without them it passes ``config=None``, as a user's
 call does. ``benchmarks.ab`` runs its arms this way.
 Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, when
-matplotlib is importable, DIR/results.png.
+matplotlib is importable, DIR/results.png. results.md ends with ratios of time per
+workload (``comparisons``): ours on padded arrays (``pallas_prefill_padded``, through
+``dot_product_attention``) over our packed call (``pallas_prefill_default``), our
+soft-capped call (``pallas_prefill_softcap``) over the uncapped one, and the fastest padded
+anchor over ours padded.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0,
     try:
       prepared = sy.prepare(name, problems, mosaic_options)
       out = prepared.to_packed(prepared.fn(*prepared.arg_sets[0]))
-      err = rel_err(out, ref)
+      err = rel_err(out, ref if prepared.reference is None else prepared.reference())
       bench = bench_torch if prepared.timer == "torch" else bench_jax
       time.sleep(rest)
       timed.append((tag, name, prepared, bench, err, [bench(prepared.fn, prepared.arg_sets)]))
@@ -142,6 +146,35 @@ def report_row(rows, kind, workload, flops, tag, name, err, secs, backend=None):
         f"{'' if len(secs) == 1 else ' (median of %d rounds)' % len(secs)}", flush=True)
 
 
+def comparisons(rows) -> list[dict]:
+  """The ratios of time the report adds below its rows, per kernel and workload, from
+  correct rows only (None where a side is missing):
+  ``padded_vs_packed``: pallas_prefill_padded's ms over pallas_prefill_default's (ours on
+  padded arrays against our packed call; under 1.05 is "loses under 5 %");
+  ``softcap_vs_nocap``: pallas_prefill_softcap's over pallas_prefill_default's;
+  ``anchor_vs_padded``: (system, ratio) of the fastest padded anchor
+  (``systems.PADDED_ANCHORS``), its ms over pallas_prefill_padded's (our speedup on the
+  same padded arrays)."""
+  out = []
+  for kernel, workload in dict.fromkeys((r["kernel"], r["workload"]) for r in rows):
+    ms = {r["system"]: r["ms"] for r in rows
+          if (r["kernel"], r["workload"]) == (kernel, workload) and r["correct"]}
+    ratio = lambda a, b: ms[a] / ms[b] if a in ms and b in ms else None  # noqa: E731
+    anchors = [(ms[n], n) for n in sy.PADDED_ANCHORS if n in ms]
+    best = None
+    if anchors and "pallas_prefill_padded" in ms:
+      best_ms, name = min(anchors)
+      best = (name, best_ms / ms["pallas_prefill_padded"])
+    c = dict(kernel=kernel, workload=workload,
+             padded_vs_packed=ratio("pallas_prefill_padded", "pallas_prefill_default"),
+             softcap_vs_nocap=ratio("pallas_prefill_softcap", "pallas_prefill_default"),
+             anchor_vs_padded=best)
+    if any(c[k] is not None for k in ("padded_vs_packed", "softcap_vs_nocap",
+                                      "anchor_vs_padded")):
+      out.append(c)
+  return out
+
+
 def markdown(rows) -> str:
   lines = ["| kernel | workload | system | backend | ms | useful TFLOP/s | rel. error | "
            "correct |", "|---|---|---|---|---|---|---|---|"]
@@ -149,6 +182,20 @@ def markdown(rows) -> str:
     lines.append(f"| {r['kernel']} | {r['workload']} | {r['system']} | "
                  f"{r.get('backend', '')} | {r['ms']:.3f} | "
                  f"{r['tflops']:.1f} | {r['relerr']:.1e} | {'yes' if r['correct'] else 'NO'} |")
+  ratios = comparisons(rows)
+  if ratios:
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines += ["", "Ratios of time (`run.comparisons`, correct rows only): ours padded "
+              "(pallas_prefill_padded) over ours packed (pallas_prefill_default) and soft cap "
+              "(pallas_prefill_softcap) over none (under 1.05: within 5 %), and the fastest "
+              "padded anchor over ours padded (above 1: ours faster on the same arrays).", "",
+              "| kernel | workload | padded / packed | soft cap / no cap | "
+              "fastest padded anchor / ours padded |", "|---|---|---|---|---|"]
+    for c in ratios:
+      best = c["anchor_vs_padded"]
+      best = "-" if best is None else f"{best[1]:.2f}x ({best[0]})"
+      lines.append(f"| {c['kernel']} | {c['workload']} | {fmt(c['padded_vs_packed'])} | "
+                   f"{fmt(c['softcap_vs_nocap'])} | {best} |")
   return "\n".join(lines)
 
 

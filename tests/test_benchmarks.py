@@ -46,6 +46,61 @@ def test_harness_smoke_run_writes_results(tmp_path, capsys):
   assert "| mha | tiny | pallas_prefill | triton |" in (tmp_path / "results.md").read_text()
 
 
+def test_padded_and_soft_cap_systems_run_and_are_checked(monkeypatch, tmp_path, capsys):
+  """Ours on padded arrays (``dot_product_attention``, MHA) and ours soft-capped (MHA and
+  MLA) in interpret mode on ``tiny``: correct, their backend read from the lowered
+  program, and results.md's ratios against our packed call; neither serves the paged
+  ``tiny_paged``, nor padded MLA. With a cap of 1 the check sees the cap: the output lies
+  close to the capped reference, and the uncapped reference far from it. (One call each:
+  MLA's interpreted calls take seconds.)"""
+  monkeypatch.setattr(run, "bench_jax", _call_once)
+  monkeypatch.setattr(sy, "SOFT_CAP", 1.0)
+  run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_default",
+            "pallas_prefill_padded", "pallas_prefill_softcap", "xla_padded", "--out",
+            str(tmp_path / "mha")])
+  run.main(["--kernels", "mla", "--workloads", "tiny", "--systems", "pallas_prefill_padded",
+            "pallas_prefill_softcap", "--out", str(tmp_path / "mla")])
+  assert "MHA only: MLA has no padded entry point" in capsys.readouterr().out
+  got = {}
+  for kind in ("mha", "mla"):
+    results = json.loads((tmp_path / kind / "results.json").read_text())
+    got.update({(r["kernel"], r["system"]): r for r in results["rows"]})
+  assert set(got) == {("mha", "pallas_prefill_default"), ("mha", "pallas_prefill_padded"),
+                      ("mha", "pallas_prefill_softcap"), ("mha", "xla_padded"),
+                      ("mla", "pallas_prefill_softcap")}
+  for key, r in got.items():
+    if key[1] != "xla_padded":
+      assert r["backend"] == "auto: triton"  # interpret mode: auto picks Triton
+    assert r["correct"] and r["relerr"] < 1e-2, key
+  for kind in ("mha", "mla"):
+    problem = sy.make_problem(kind, wl.WORKLOADS["tiny"], 0)
+    assert run.rel_err(sy.reference(problem), sy.reference(problem, logits_soft_cap=1.0)) > (
+        max(run.TOLERANCE, 10 * got[(kind, "pallas_prefill_softcap")]["relerr"]))
+    paged = [sy.make_problem(kind, wl.WORKLOADS["tiny_paged"], 0)]
+    for name in ("pallas_prefill_padded", "pallas_prefill_softcap"):
+      with pytest.raises(sy.Unavailable):
+        sy.prepare(name, paged)
+  md = (tmp_path / "mha" / "results.md").read_text()
+  assert "| mha | tiny | pallas_prefill_padded | auto: triton |" in md
+  # Every timing is _call_once's millisecond: each ratio is 1.
+  assert "| mha | tiny | 1.000 | 1.000 | 1.00x (xla_padded) |" in md
+  assert "Ratios of time" not in (tmp_path / "mla" / "results.md").read_text()  # no pair
+
+
+def test_comparisons_take_correct_rows_and_the_fastest_padded_anchor():
+  row = lambda system, ms, correct=True: dict(  # noqa: E731
+      kernel="mha", workload="skew", system=system, ms=ms, correct=correct)
+  rows = [row("pallas_prefill_default", 1.0), row("pallas_prefill_padded", 1.04),
+          row("pallas_prefill_softcap", 1.02), row("cudnn_padded", 3.12),
+          row("tokamax_mosaic", 2.6), row("torch_sdpa_cudnn", 0.5, correct=False),
+          row("cudnn_packed", 0.9), dict(row("pallas_prefill_default", 2.0), workload="other")]
+  [c] = run.comparisons(rows)  # "other" has nothing to compare
+  assert c["padded_vs_packed"] == pytest.approx(1.04)
+  assert c["softcap_vs_nocap"] == pytest.approx(1.02)
+  name, speedup = c["anchor_vs_padded"]
+  assert name == "tokamax_mosaic" and speedup == pytest.approx(2.5)  # wrong rows skipped
+
+
 def test_tuner_parses_mosaic_configs_and_extra_workloads_run_on_request():
   from benchmarks import tune  # pylint: disable=g-import-not-at-top
   assert tune.mosaic_config("128x2") == pp.MosaicConfig(block_kv=128, num_stages=2)
