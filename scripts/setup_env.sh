@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv in the repo root with Python 3.12 (jax >= 0.11 needs it) and installs the
-# project with its test extras. Safe to run again.
+# project with its test and examples extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +27,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Editable install, so only a changed pyproject.toml needs a reinstall.
 if [ ! .venv/.installed -nt pyproject.toml ]; then
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[test,examples]'
   touch .venv/.installed
 fi
