@@ -54,11 +54,11 @@ def unpage(*operands):
 
 
 def soft_capped(s, cap):
-  """``cap * tanh(s / cap)``, Gemma 2's logit soft cap, as the kernels compute it: from
-  ``exp2`` (tanh(y) = 1 - 2 / (2**(2y log2 e) + 1)), exact to float32 rounding on every
-  backend where the hardware's approximate tanh is not (Mosaic GPU's ``approx_math``).
-  Finite for every finite s (2**x overflows to inf, and 2 / inf is 0). The kernels pass
-  logits already in base 2 with ``cap * log2(e)``: the cap commutes with that scaling."""
+  """``cap * tanh(s / cap)``, Gemma 2's logit soft cap, as the Triton kernel computes it:
+  from ``exp2`` (tanh(y) = 1 - 2 / (2**(2y log2 e) + 1)), exact to float32 rounding and
+  finite for every finite s (2**x overflows to inf, and 2 / inf is 0). The kernels pass
+  logits already in base 2 with ``cap * log2(e)``: the cap commutes with that scaling.
+  (Mosaic GPU takes the hardware's approximate tanh instead: ``kernel.attend_tile``.)"""
   two_y_log2e = s * (2.0 * LOG2_E / cap)
   return cap * (1.0 - 2.0 / (jnp.exp2(two_y_log2e) + 1.0))
 

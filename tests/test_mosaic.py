@@ -139,6 +139,9 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
           tile = lambda x, head, start=start: rows_of(x[:, head], start, bkv)  # noqa: E731
         s = sum(qx @ tile(kx, kvh if kx.shape[-2] > 1 else 0).T
                 for qx, kx in zip(qs, k_parts)) * scale
+        if kwargs.get("logits_soft_cap") is not None:
+          cap = kwargs["logits_soft_cap"]
+          s = cap * np.tanh(s / cap)
         q_pos = row_pos + np.arange(bq)[:, None]
         k_pos = start - kv_start + np.arange(bkv)[None, :]
         vis = np.asarray(mosaic_kernel.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
