@@ -217,27 +217,36 @@ def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None
   q_real = same.any(axis=2) if segment_ids is not None else (
       q_pos < (t_len if query_seq_lengths is None else query_seq_lengths[:, None]))
   vis = same & mask.visible(q_pos[:, :, None], k_pos[:, None, :])  # [b, t, s]
-  k32 = _heads(key.reshape(-1, num_kv_heads, head_dim), num_heads).reshape(
-      batch, s_len, num_heads, head_dim)
-  v32 = _heads(value.reshape(-1, num_kv_heads, value.shape[-1]), num_heads).reshape(
-      batch, s_len, num_heads, value.shape[-1])
-  logits = jnp.einsum("bthd,bshd->bhts", query.astype(jnp.float32), k32, precision=_HI)
-  logits = _soft_cap(logits * scale, logits_soft_cap)
-  vis = vis[:, None]
-  logits = jnp.where(vis, logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, initial=-jnp.inf)
-  sink = None if sink_weights is None else sink_weights.astype(jnp.float32)[None, :, None]
-  if sink is not None:
-    m = jnp.maximum(m, sink)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(vis, jnp.exp(logits - m_safe[..., None]), 0.0)
-  denom = p.sum(-1) + (0.0 if sink is None else jnp.exp(sink - m_safe))
-  seen = (denom > 0) & q_real[:, None, :]
-  denom_safe = jnp.where(seen, denom, 1.0)
-  out = jnp.einsum("bhts,bshd->bthd", p, v32, precision=_HI) / jnp.moveaxis(
-      denom_safe, 1, 2)[..., None]
-  out = jnp.where(q_real[:, :, None, None], out, 0.0).astype(output_dtype or query.dtype)
-  if not return_lse:
-    return out
-  lse = jnp.where(seen, m_safe + jnp.log(denom_safe), EMPTY_ROW_LSE)
-  return out, jnp.moveaxis(lse, 1, 2)
+  sink = None if sink_weights is None else sink_weights.astype(jnp.float32)
+  rows = max(1, min(t_len, 256))  # query rows per block: bounded memory at any length
+  blocks = -(-t_len // rows)
+  pad_t = lambda x: jnp.pad(x, [(0, 0), (0, blocks * rows - t_len)] + [(0, 0)] * (  # noqa: E731
+      x.ndim - 2))
+
+  def one_row(args):
+    q, k, v, vis_row, real_row = args  # [T, N, H], [S, K, H], [S, K, Hv], [T, S], [T]
+    k32, v32 = _heads(k, num_heads), _heads(v, num_heads)
+
+    def one_block(i):
+      sl = lambda x: lax.dynamic_slice_in_dim(x, i * rows, rows)  # noqa: E731
+      vis = sl(vis_row)[:, None, :]  # [r, 1, S]
+      logits = jnp.einsum("rhd,shd->rhs", sl(q).astype(jnp.float32), k32, precision=_HI)
+      logits = jnp.where(vis, _soft_cap(logits * scale, logits_soft_cap), -jnp.inf)
+      m = jnp.max(logits, axis=-1, initial=-jnp.inf)
+      if sink is not None:
+        m = jnp.maximum(m, sink[None, :])
+      m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+      p = jnp.where(vis, jnp.exp(logits - m_safe[..., None]), 0.0)
+      denom = p.sum(-1) + (0.0 if sink is None else jnp.exp(sink[None, :] - m_safe))
+      seen = (denom > 0) & sl(real_row)[:, None]
+      denom_safe = jnp.where(seen, denom, 1.0)
+      out = jnp.einsum("rhs,shd->rhd", p, v32, precision=_HI) / denom_safe[..., None]
+      out = jnp.where(sl(real_row)[:, None, None], out, 0.0)
+      return out, jnp.where(seen, m_safe + jnp.log(denom_safe), EMPTY_ROW_LSE)
+
+    out, lse = lax.map(one_block, jnp.arange(blocks))
+    return out.reshape(blocks * rows, *out.shape[2:]), lse.reshape(blocks * rows, -1)
+
+  out, lse = lax.map(one_row, (pad_t(query), key, value, pad_t(vis), pad_t(q_real)))
+  out = out[:, :t_len].astype(output_dtype or query.dtype)
+  return (out, lse[:, :t_len]) if return_lse else out
