@@ -1,8 +1,8 @@
 """pallas_prefill: ragged-batch attention prefill kernels for JAX on NVIDIA GPUs.
 
 The entry points (``mha_prefill``, ``mla_prefill`` over packed ragged batches, and
-``dot_product_attention`` over padded ones with lengths or segment ids) validate their arguments and hand the
-logits' terms to ``pallas_prefill.dispatch``, which picks a backend: the Pallas Mosaic GPU
+``dot_product_attention`` over padded ones with lengths or segment ids) validate their
+arguments and hand the logits' terms to ``pallas_prefill.dispatch``, which picks a backend: the Pallas Mosaic GPU
 kernel on Hopper (``pallas_prefill.mosaic_gpu``, the default there) or the Pallas Triton
 kernel (``pallas_prefill.triton``) on any NVIDIA GPU and in interpret mode. Each kernel
 body is shared by MHA and MLA; ``pallas_prefill.reference`` defines the results.

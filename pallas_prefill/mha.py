@@ -88,8 +88,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                  output_dtype=output_dtype, config=config, interpret=interpret,
-                 backend=backend,
-                 logits_soft_cap=logits_soft_cap)
+                 backend=backend, logits_soft_cap=logits_soft_cap)
   num_heads, head_dim = q.shape[1:]
   if k.shape[-1] != head_dim:
     raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")

@@ -69,8 +69,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
-                 interpret=interpret, backend=backend,
-                 logits_soft_cap=logits_soft_cap)
+                 interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
   num_heads, depth = q.shape[1:]
   num_kv_heads, d_nope = k_nope.shape[-2:]
   d_rope = k_rope.shape[-1]

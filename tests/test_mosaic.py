@@ -77,10 +77,9 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
-  table, lse_slot, kv_end, n_live = xla_work_list.work_list(q_off, kv_rows(kv_off), total_q, total_kv,
-                                                     mask=mask, block_q=bq, block_kv=bkv,
-                                                     paged_cache=paged_cache,
-                                                     page_tiles=native is not None)
+  table, lse_slot, kv_end, n_live = xla_work_list.work_list(
+      q_off, kv_rows(kv_off), total_q, total_kv, mask=mask, block_q=bq, block_kv=bkv,
+      paged_cache=paged_cache, page_tiles=native is not None)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.

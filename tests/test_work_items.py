@@ -139,9 +139,9 @@ def test_dynamic_cases_cover_every_schedule():
     kv_off = None if case.kv_lens is None else jnp.asarray(_offsets(case.kv_lens))
     total_q = int(off[-1]) + case.extra_rows
     total_kv = total_q if kv_off is None else int(kv_off[-1])
-    table, _, _, n_live = xla_work_list.work_list(jnp.asarray(off), kv_rows(kv_off), total_q, total_kv,
-                                           mask=case.mask, block_q=case.block_q,
-                                           block_kv=case.block_kv)
+    table, _, _, n_live = xla_work_list.work_list(
+        jnp.asarray(off), kv_rows(kv_off), total_q, total_kv, mask=case.mask,
+        block_q=case.block_q, block_kv=case.block_kv)
     got.add(tuple(int(x) for x in schedule.dynamic_schedule(
         table[:, layout.T_HI] - table[:, layout.T_LO], n_live, num_heads=case.heads,
         group=case.group, num_programs=min(case.programs, case.heads * table.shape[0]))))
