@@ -289,10 +289,25 @@ def test_padded_lowers_without_copies(backend, layout):
   assert users and set(users) <= {"stablehlo.reshape", "func.return"}, users
 
 
+LOWERED_CASES = [c for c in PADDED_CASES if not c.jit and c.dtype == "bfloat16"]
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
-def test_soft_cap_lowers(backend):
-  text = _lower(backend, soft_cap=50.0).as_text()
-  assert "ragged_prefill_attention" in text or "mosaic" in text
+@pytest.mark.parametrize("case", LOWERED_CASES, ids=lambda c: c.name)
+def test_padded_case_lowers_for_an_h200(case, backend):
+  """Every bf16 case of the matrix lowers for an H200 on both backends (the kernels'
+  real lowering, no GPU needed): the kernel's custom call, no fallback."""
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  args, kw, _, _ = make_inputs(case, 0, poison=0.0)
+  arrays = {n: kw.pop(n) for n in ("query_seq_lengths", "key_value_seq_lengths",
+                                   "segment_ids", "sink_weights") if n in kw}
+  if case.segments is not None and kw["max_segments"] is None:
+    kw["max_segments"] = 8
+  fn = lambda a, arr: pp.dot_product_attention(*a, **arr, **kw, backend=backend,  # noqa: E731
+                                               interpret=False)
+  text = lower_for_h200(fn, args, arrays).as_text()
+  target = "custom_call @mosaic_gpu" if backend == "mosaic_gpu" else "__gpu$xla.gpu.triton"
+  assert target in text
 
 
 # --------------------------------------------------------------------------------------
