@@ -351,23 +351,25 @@ def _jax_nn(problems, implementation):
   return Prepared(fn, args, lambda out: _unpad(out, w.q_lens))
 
 
-def pallas_prefill_padded(problems):
+def pallas_prefill_padded(problems, mosaic_options=None):
   """Ours on the padded batch with lengths: ``pp.dot_product_attention`` on the arrays and
   lengths cuDNN's padded system gets (V keeps its depth: MHA's equals Q's), its mask from
   the workload's as ``_jax_nn`` maps it, no backend argument (``"auto"``). MHA only (MLA
   has no padded entry point). Against pallas_prefill_default: what the padded layout costs
-  ours; against the padded anchors: what computing only the real tokens gains."""
+  ours; against the padded anchors: what computing only the real tokens gains. With
+  ``mosaic_options``, their Mosaic GPU config (``mosaic_config``) instead of auto's."""
   if problems[0].kind != "mha":
     raise Unavailable("MHA only: MLA has no padded entry point")
   _self_attention_only(problems, "dot_product_attention")
   w = problems[0].workload
   window = _window(w.mask)
+  config = mosaic_config(mosaic_options, problems[0])
 
   @jax.jit
   def fn(q, k, v, lens):
     return pp.dot_product_attention(
         q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0))
+        local_window_size=None if window is None else (window - 1, 0), config=config)
 
   args = _padded_qkv(problems)
   ran = backend_ran(fn, *args[0])
@@ -573,7 +575,9 @@ PADDED_ANCHORS = ("cudnn_padded", "xla_padded", "tokamax_mosaic", "tokamax_trito
                   "torch_sdpa_cudnn", "jax_pallas_mha")
 
 # The systems that take --mosaic-options: those that run our Mosaic GPU backend.
-MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu")
+# The systems that take ``--mosaic-options``: the Mosaic GPU backend's, and ours padded.
+MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu"
+                       ) + ("pallas_prefill_padded",)
 
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,

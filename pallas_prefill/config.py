@@ -62,6 +62,10 @@ class MosaicOptions:
       scale is positive; False: a separate multiplication.
     tile_spans_pages: native paged KV tiles larger than a page read consecutive pages (a
       TMA copy from each); False cuts ``block_kv`` to the page.
+    skip_keyless_q: a unit with no KV tile (the padding rows of ``dot_product_attention``,
+      rows past the last offset, queries that see no key) loads no Q tile and waits for
+      none: it only stores its zeros. An experiment of issue 23, off until the H200 has
+      run it (BUILD_NOTES.md).
   """
 
   dynamic: bool = True
@@ -70,9 +74,11 @@ class MosaicOptions:
   build_work_list: bool = True
   fold_scale: bool = True
   tile_spans_pages: bool = True
+  skip_keyless_q: bool = False
 
   def __post_init__(self):
-    for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages"):
+    for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
+                 "skip_keyless_q"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -190,7 +190,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
                           local_window_size=None, scale=None, sink_weights=None,
                           logits_soft_cap=None, segment_ids=None, padding_segment_id=None,
                           max_segments=None, output_dtype=None, return_lse=False,
-                          backend=None, interpret=None):
+                          backend=None, interpret=None, config=None):
   """Attention over a padded batch, with ``jax.nn.dot_product_attention``'s layout and
   meaning, computing only the real tokens.
 
@@ -226,6 +226,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     backend: None or "auto" (Mosaic GPU on Hopper where it serves, else Triton),
       "triton" or "mosaic_gpu", as in ``mha_prefill``.
     interpret: the Pallas interpreter; None: exactly on the CPU.
+    config: None (the tuned default), or an ``MhaConfig`` / ``MosaicConfig`` as in
+      ``mha_prefill``.
 
   Padding rows of key and value are never used, but on Mosaic GPU they must be finite
   (rows next to a sequence's keys enter its matrix products with weight zero, and
@@ -289,11 +291,11 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s)
     layout = ("lengths", query_seq_lengths, key_value_seq_lengths)
   val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
-                    output_dtype=output_dtype, config=None, interpret=interpret,
+                    output_dtype=output_dtype, config=config, interpret=interpret,
                     backend=backend, logits_soft_cap=logits_soft_cap)
   static = dispatch.static_options(
       query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
-      output_dtype=output_dtype, return_lse=return_lse, config=None, interpret=interpret,
+      output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
       backend=backend, logits_soft_cap=logits_soft_cap)
   return _padded_attention(query, key, value, *layout[1:], sink_weights,
                            segments=layout[0] == "segments",

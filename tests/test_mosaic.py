@@ -756,6 +756,10 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16, head_dim=64, head_dim_v=64, rope=32),
     Lowered(soft_cap=30.0, lse=True, sink=True),
     Lowered(kind="mla", heads=16, kv_heads=16, soft_cap=50.0),
+    # MosaicOptions.skip_keyless_q (issue 23's experiment): units without KV tiles load no Q
+    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
+    Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
+            config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
 ]
 
 

@@ -292,6 +292,25 @@ def test_padded_lowers_without_copies(backend, layout):
 LOWERED_CASES = [c for c in PADDED_CASES if not c.jit and c.dtype == "bfloat16"]
 
 
+def test_the_keyless_units_experiment_lowers_and_changes_only_the_q_loads():
+  """``MosaicOptions(skip_keyless_q=True)`` through ``dot_product_attention``'s config:
+  the kernel lowers for an H200, and differs from the default's."""
+  from tests import lowered  # pylint: disable=g-import-not-at-top
+  texts = []
+  for options in (pp.MosaicOptions(), pp.MosaicOptions(skip_keyless_q=True)):
+    from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+    s = jax.ShapeDtypeStruct
+    q = s((4, 512, 8, 128), jnp.bfloat16)
+    kv = s((4, 512, 2, 128), jnp.bfloat16)
+    config = pp.MosaicConfig(options=options)
+    fn = lambda q, k, v, n: pp.dot_product_attention(  # noqa: E731
+        q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
+        config=config, interpret=False)
+    module = lower_for_h200(fn, q, kv, kv, s((4,), jnp.int32)).compiler_ir()
+    texts.append([lowered.kernel_text(*k) for k in lowered.kernel_modules(module)][-1])
+  assert texts[0] != texts[1]
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("case", LOWERED_CASES, ids=lambda c: c.name)
 def test_padded_case_lowers_for_an_h200(case, backend):

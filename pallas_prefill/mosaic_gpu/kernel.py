@@ -86,7 +86,8 @@ class KernelSpec:
   read a tile at a time from the pages the block table names (``v_tail`` then holds each
   sequence's last V tile, and the block table follows it); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
-  (``attend_tile``); top_left: queries from position 0 (else kv_len - q_len).
+  (``attend_tile``); top_left: queries from position 0 (else kv_len - q_len);
+  skip_keyless_q: ``MosaicOptions.skip_keyless_q``.
   """
 
   parts: tuple
@@ -111,6 +112,7 @@ class KernelSpec:
   fold_scale: bool = True
   soft_cap: float | None = None
   top_left: bool = False
+  skip_keyless_q: bool = False
 
   @property
   def chunks(self):
@@ -370,17 +372,32 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
              lse=scratch.lse.at[wg] if spec.has_lse else None)
 
   def load_q(hw):
-    """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free)."""
-    h, _, meta, _, _, half = units.item_of(hw)
+    """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free); none for a
+    unit without KV tiles under ``skip_keyless_q`` (``run`` then waits for none)."""
+    h, _, meta, item_lo, item_hi, half = units.item_of(hw)
     row = first_q_row(meta, half, spec.block_q)
-    for (part, col), s in zip(spec.chunks, q_fill):
-      plgpu.copy_gmem_to_smem(
-          refs.q[part.q_index].at[pl.ds(row, spec.block_q), h, pl.ds(part.q_col + col, L.CHUNK)],
-          s, scratch.q_loaded.at[wg])
+
+    def copies():
+      for (part, col), s in zip(spec.chunks, q_fill):
+        plgpu.copy_gmem_to_smem(
+            refs.q[part.q_index].at[pl.ds(row, spec.block_q), h,
+                                    pl.ds(part.q_col + col, L.CHUNK)],
+            s, scratch.q_loaded.at[wg])
+
+    if spec.skip_keyless_q:
+      pl.when(item_hi > item_lo)(copies)
+    else:
+      copies()
 
   def run(hw, base, fetch_next):
     item = read_item(spec, units, hw, base)
-    plgpu.barrier_wait(scratch.q_loaded.at[wg])
+    wait_q = lambda: plgpu.barrier_wait(scratch.q_loaded.at[wg])  # noqa: E731
+    if spec.skip_keyless_q:
+      # The barrier's phase lives in shared memory and moves only with a wait: skipping
+      # the copy and the wait together keeps the next unit's wait on its own copy.
+      pl.when(item.item_hi > item.item_lo)(wait_q)
+    else:
+      wait_q()
     turns = Turns(spec.split, wg)
     carry = attend_item(spec, refs, scratch, units, turns, item, own["q"])
     turns.end()
