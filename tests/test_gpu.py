@@ -298,3 +298,13 @@ def test_padded_compiled_hlo_copies_nothing(backend, layout):
     checked += 1
     assert op in allowed, line
   assert checked >= 4, text
+
+
+@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"][::3]
+                         + PADDED_GPU_CASES[-5:], ids=lambda c: c.name)
+def test_padded_keyless_units_skip_q(case):
+  """``MosaicOptions.skip_keyless_q`` (issue 23's experiment, off by default): units
+  without KV tiles neither load Q nor wait for it; the results stay exact."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))
+  poison_device_memory()
+  test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)

@@ -185,7 +185,7 @@ def _call(case, args, kw, **extra):
                                                                                   traced)
 
 
-def check_padded(case: PaddedCase, *, interpret, backend="triton"):
+def check_padded(case: PaddedCase, *, interpret, backend="triton", config=None):
   """Runs the case on fresh random inputs whose padding rows are poisoned; compares with
   the float32 reference everywhere (padding rows: zeros, LSE -1e30) and, on the rows
   that see a key, with ``jax.nn.dot_product_attention`` where it has the arguments."""
@@ -194,7 +194,7 @@ def check_padded(case: PaddedCase, *, interpret, backend="triton"):
   poison = np.nan if backend == "triton" else 1e3
   args, kw, q_real, clean = make_inputs(case, seed, poison=poison)
   expected = pp.reference.dot_product_attention_reference(*clean, **kw)
-  result = _call(case, args, dict(kw), backend=backend, interpret=interpret)
+  result = _call(case, args, dict(kw), backend=backend, interpret=interpret, config=config)
   out, lse = result if case.lse else (result, None)
   ref_out, ref_lse = expected if case.lse else (expected, None)
   assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, tag
