@@ -24,7 +24,8 @@ MAX_GRID_DIM = triton_backend.MAX_GRID_DIM
 def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                      max_prompt_len, mask, scale, output_dtype, return_lse,
                      config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
-                     backend: str = "auto", logits_soft_cap=None, top_left=False):
+                     backend: str = "auto", logits_soft_cap=None, top_left=False,
+                     scales=None):
   """Runs the ragged attention kernel of the chosen backend on validated operands.
 
   Args:
@@ -49,6 +50,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
       before the mask).
     top_left: query i of every sequence sits at position i (``jax.nn``'s causal mask)
       instead of kv_len - q_len + i.
+    scales: None, or FP8's (qk_scale, v_scale), each [batch, num_kv_heads] float32
+      (``fp8.scales``); Triton only for now.
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
@@ -65,8 +68,12 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
-  mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
-                                 max_prompt_len, config, interpret)
+  if scales is not None and backend == "mosaic_gpu":
+    raise NotImplementedError("backend='mosaic_gpu' cannot run FP8 inputs yet (issue 24): "
+                              "use 'auto' or 'triton'")
+  mosaic_config = None if scales is not None else select_backend(
+      backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len, config,
+      interpret)
   kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
             paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:
@@ -78,7 +85,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
   else:
     out = triton_backend.ragged_attention_triton(
         q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, parts=parts,
-        max_prompt_len=max_prompt_len, config=config, interpret=interpret, **kw)
+        max_prompt_len=max_prompt_len, config=config, interpret=interpret, scales=scales,
+        **kw)
   if return_lse:
     return out[0][..., :v_depth], out[1]
   return out[..., :v_depth]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import partitioning
 from pallas_prefill import dispatch
+from pallas_prefill import fp8
 from pallas_prefill import logits
 from pallas_prefill import validation as val
 
@@ -17,7 +18,8 @@ from pallas_prefill import validation as val
 def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offsets=None,
                 mask=masks_lib.CausalMask(), scale=None, sink_weights=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="auto", logits_soft_cap=None):
+                backend="auto", logits_soft_cap=None, q_scale=None, k_scale=None,
+                v_scale=None):
   """Attention prefill over a ragged (packed) batch of prompts.
 
   Sequence b's queries are rows ``input_row_offsets[b]:input_row_offsets[b+1]`` of ``q``;
@@ -105,8 +107,13 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                        f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
+  kv_arrays = logits.unpage(k, v)
+  scales = fp8.scales(q, kv_arrays[0], kv_arrays[1], q_scale, k_scale, v_scale,
+                      batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
+  if scales is not None and output_dtype is None:
+    output_dtype = jnp.bfloat16 if fp8.is_fp8(q.dtype) else q.dtype
   return jitted_mha_prefill(
-      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
+      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
       **dispatch.static_options(
           q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
@@ -115,27 +122,30 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
-                       **static):
+                       scales=None, **static):
   """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
   split over head shards where the operands are sharded (``partitioning``)."""
   kv_starts, kv_ends = logits.kv_rows(kv_input_row_offsets) or (None, None)
   return head_parallel_mha(q, k, v, input_row_offsets, kv_starts, kv_ends, sink_weights,
-                           **static)
+                           scales, **static)
 
 
-def head_parallel_mha(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, **static):
+def head_parallel_mha(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scales=None,
+                      **static):
   """``mha_on_shards`` split over head shards where the operands are sharded
   (``partitioning``); q [rows, num_heads, depth], k and v [rows, num_kv_heads, depth] (or
   PagedKV), offsets and row ranges replicated."""
   hp = partitioning
   return hp.head_parallel(
-      mha_on_shards, (q, k, v, q_offsets, kv_starts, kv_ends, sink_weights),
-      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, None, hp.SINK_HEADS),
+      mha_on_shards, (q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scales),
+      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None, None, hp.SINK_HEADS,
+             hp.SCALE_HEADS),
       out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
       num_heads=q.shape[1], num_kv_heads=k.shape[-2], **static)
 
 
-def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, *, max_prompt_len,
+def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scales=None, *,
+                  max_prompt_len,
                   mask, scale, output_dtype, return_lse, config, interpret, backend,
                   logits_soft_cap, top_left=False):
   """One head shard's call (all heads when unsharded): the logits' terms, then
@@ -150,4 +160,4 @@ def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, *, max_p
       parts=[logits.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret, backend=backend,
-      logits_soft_cap=logits_soft_cap, top_left=top_left)
+      logits_soft_cap=logits_soft_cap, top_left=top_left, scales=scales)

@@ -36,16 +36,23 @@ class Heads:
 Q_HEADS = Heads(-2)  # q [total_q, num_heads, depth], out, and paged/packed K/V alike
 KV_HEADS = Heads(-2, kv=True)
 SINK_HEADS = Heads(-1)  # sink_weights [num_heads], lse [total_q, num_heads]
+SCALE_HEADS = Heads(-1, kv=True)  # FP8 scales [batch, num_kv_heads], a tuple of them
 
 
 def _leaf_roles(operands, roles):
   """The role of each pytree leaf: a PagedKV's pages take its role, its block table and
-  cache lengths are replicated; None operands have no leaves."""
+  cache lengths are replicated; a tuple's arrays each take the tuple's role; None
+  operands have no leaves."""
   out = []
   for x, role in zip(operands, roles):
     if x is None:
       continue
-    out += [role, None, None] if isinstance(x, PagedKV) else [role]
+    if isinstance(x, PagedKV):
+      out += [role, None, None]
+    elif isinstance(x, tuple):
+      out += [role] * len(x)
+    else:
+      out += [role]
   return tuple(out)
 
 

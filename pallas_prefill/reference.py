@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.paged import PagedKV
 from pallas_prefill.padded import window_mask
@@ -121,14 +122,27 @@ def _heads(x, num_heads):
 def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
                           kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                           sink_weights=None, output_dtype=None, return_lse=False,
-                          config=None, interpret=None, backend=None, logits_soft_cap=None):
-  """Float32 reference for ``mha_prefill``, same signature and semantics.
+                          config=None, interpret=None, backend=None, logits_soft_cap=None,
+                          q_scale=None, k_scale=None, v_scale=None):
+  """Float32 reference for ``mha_prefill``, same signature and semantics (FP8 inputs
+  dequantized in float32 with their scales first).
 
   ``max_prompt_len``, ``config``, ``interpret`` and ``backend`` are accepted and ignored.
   """
   del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
   (k, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets, k, v)
+  batch, num_kv_heads = input_row_offsets.shape[0] - 1, k.shape[-2]
+  if fp8.is_fp8(k.dtype):
+    def dequantize(x, scale, seq):
+      per_row = fp8.check_scale("scale", scale, batch, num_kv_heads)[seq]  # [rows, kv]
+      per_row = jnp.repeat(per_row, x.shape[1] // num_kv_heads, axis=1)
+      return x.astype(jnp.float32) * per_row[:, :, None]
+    k, v = dequantize(k, k_scale, keys[0]), dequantize(v, v_scale, keys[0])
+    output_dtype = output_dtype or (jnp.bfloat16 if fp8.is_fp8(q.dtype) else q.dtype)
+    if fp8.is_fp8(q.dtype):
+      q_seq = _row_positions(input_row_offsets.astype(jnp.int32), q.shape[0])[0]
+      q = dequantize(q, q_scale, q_seq)
   k32 = _heads(k, num_heads)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
 

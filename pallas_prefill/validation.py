@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.config import MhaConfig, MosaicConfig
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
@@ -30,9 +31,11 @@ def check_array(name, x, rank):
     raise ValueError(f"{name} must have rank {rank}, got shape {tuple(shape)}")
 
 
-def check_float_dtype(name, x):
-  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in INPUT_DTYPES]:
-    raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+def check_float_dtype(name, x, fp8_ok=False):
+  allowed = INPUT_DTYPES + (fp8.FP8_DTYPES if fp8_ok else ())
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in allowed]:
+    extra = ", float8_e4m3fn or float8_e5m2" if fp8_ok else ""
+    raise TypeError(f"{name} must be bfloat16, float16, float32{extra}, got {x.dtype}")
 
 
 def check_offsets(name, offsets, batch=None):
@@ -125,7 +128,7 @@ def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_p
   operand: all arrays [total_kv, heads, depth], or all ``PagedKV``.
   """
   check_array("q", q, 3)
-  check_float_dtype("q", q)
+  check_float_dtype("q", q, fp8_ok=True)
   check_offsets("input_row_offsets", input_row_offsets)
   batch = input_row_offsets.shape[0] - 1
   paged = [name for name, x in kv_operands.items() if isinstance(x, PagedKV)]
@@ -140,8 +143,10 @@ def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_p
   for name, x in kv_operands.items():
     if not paged:
       check_array(name, x, 3)
-    check_float_dtype(name, x)
+    check_float_dtype(name, x, fp8_ok=True)
   operands = {"q": q, **kv_operands}
+  if any(fp8.is_fp8(x.dtype) for x in operands.values()):
+    operands = dict(kv_operands)  # FP8: q may be wider (``fp8.scales`` checks the rest)
   if len({jnp.dtype(x.dtype) for x in operands.values()}) > 1:
     raise TypeError(", ".join(operands) + " must share a dtype, got "
                     + ", ".join(str(x.dtype) for x in operands.values()))

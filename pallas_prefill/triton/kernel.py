@@ -86,6 +86,8 @@ class _Program:
   kv_start: object
   kv_len: object
   start_pos: object
+  qk_scale: object = None  # FP8: the logits' dequantization factor, or None
+  v_scale: object = None  # FP8: V's, which multiplies the output
 
   def page_of(self, j, block_kv):
     """The page holding KV tile j (block_kv divides page_size: one page per tile)."""
@@ -103,14 +105,15 @@ class _Program:
     return lambda ref, head, cols: ref.at[page, pl.ds(row, block_kv), head, cols]
 
 
-def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale, soft_cap,
-            top_left, block_q, block_kv, num_tiles, group):
+def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, has_scales, mask, scale,
+            soft_cap, top_left, block_q, block_kv, num_tiles, group):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_layout == "ranges" else (
       None, None)
   table_ref, cache_ref = (refs.pop(0), refs.pop(0)) if kv_layout == "paged" else (None, None)
   sink_ref = refs.pop(0) if has_sink else None
+  qk_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if has_scales else (None, None)
   q_refs, refs = refs[:n_q], refs[n_q:]
   k_refs, refs = refs[:n_k], refs[n_k:]
   v_ref, o_ref = refs[0], refs[1]
@@ -139,7 +142,9 @@ def _kernel(*refs, parts, n_q, n_k, kv_layout, has_sink, has_lse, mask, scale, s
   program = _Program(q_refs=q_refs, k_refs=k_refs, v_ref=v_ref, o_ref=o_ref, lse_ref=lse_ref,
                      sink_ref=sink_ref, table_ref=table_ref, h=h, kv_head=kv_head, b=b,
                      q_start=q_start, q_len=q_len, kv_start=kv_start, kv_len=kv_len,
-                     start_pos=jnp.int32(0) if top_left else kv_len - q_len)
+                     start_pos=jnp.int32(0) if top_left else kv_len - q_len,
+                     qk_scale=qk_scale_ref[b, kv_head] if has_scales else None,
+                     v_scale=v_scale_ref[b, kv_head] if has_scales else None)
 
   row0 = tile * block_q
   pl.when(row0 < q_len)(functools.partial(
@@ -167,9 +172,11 @@ def _attend(p: _Program, row0, *, parts, mask, scale, soft_cap, block_q, block_k
   qs = []
   for part in parts:
     q_ref = p.q_refs[part.q_index]
-    qs.append(plt.load(
+    qs.append(_load(
         q_ref.at[pl.ds(p.q_start + row0, block_q), p.h, pl.ds(part.q_col, part.width)],
-        mask=row_valid[:, None], other=0))
+        row_valid[:, None]))
+  if p.qk_scale is not None:
+    scale = scale * p.qk_scale  # FP8: the dequantization scales of Q and K
 
   q_lo = p.start_pos + row0
   q_hi = p.start_pos + jnp.minimum(row0 + block_q, p.q_len) - 1
@@ -199,11 +206,23 @@ def _attend(p: _Program, row0, *, parts, mask, scale, soft_cap, block_q, block_k
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
   out = acc / l_safe[:, None]
+  if p.v_scale is not None:
+    out = out * p.v_scale
   plt.store(p.o_ref.at[pl.ds(p.q_start + row0, block_q), p.h, :], out.astype(p.o_ref.dtype),
             mask=row_valid[:, None])
   if p.lse_ref is not None:
     lse = jnp.where(seen, (m + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
     plt.store(p.lse_ref.at[pl.ds(p.q_start + row0, block_q), p.h], lse, mask=row_valid)
+
+
+def _load(view, mask):
+  """A tile, zeros where `mask` (None: all rows) is False. FP8 tiles are widened to bf16
+  (exact: every e4m3 and e5m2 value is a bf16 value) and zeroed after the load: Triton
+  has no FP8 fill value, and a masked-off FP8 lane may hold a NaN pattern."""
+  if jnp.dtype(view.dtype).itemsize != 1:
+    return plt.load(view, mask=mask, other=None if mask is None else 0)
+  x = plt.load(view, mask=mask).astype(jnp.bfloat16)
+  return x if mask is None else jnp.where(mask, x, jnp.zeros((), jnp.bfloat16))
 
 
 def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, soft_cap,
@@ -223,8 +242,8 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, so
   s = None
   for part, q in zip(parts, qs):
     k_head = jnp.int32(0) if part.shared_k else p.kv_head
-    k = plt.load(tile_at(p.k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
-                 mask=load_mask, other=0 if masked else None)
+    k = _load(tile_at(p.k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
+              load_mask)
     term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)
     s = term if s is None else s + term
@@ -240,8 +259,7 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, so
   if masked:
     p_ = jnp.where(visible, p_, 0.0)
   l_new = l_prev * alpha + jnp.sum(p_, axis=1)
-  v = plt.load(tile_at(p.v_ref, p.kv_head, slice(None)),
-               mask=load_mask, other=0 if masked else None)
+  v = _load(tile_at(p.v_ref, p.kv_head, slice(None)), load_mask)
   acc = acc * alpha[:, None] + lax.dot_general(
       p_.astype(v.dtype), v, (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32)
@@ -251,7 +269,7 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, so
 def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                             max_prompt_len, mask, scale, output_dtype, return_lse,
                             config: MhaConfig | None, interpret: bool, paged=None,
-                            soft_cap=None, top_left=False):
+                            soft_cap=None, top_left=False, scales=None):
   """The Triton kernel on validated operands (``dispatch.ragged_attention``'s, V padded to
   a power-of-two depth): out [total_q, num_heads, v_depth] in output_dtype, and lse
   [total_q, num_heads] float32 when return_lse. config None picks ``default_config`` for
@@ -275,7 +293,8 @@ def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *
     kv_layout = "packed" if kv_rows is None else "ranges"
   kernel = functools.partial(
       _kernel, parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), kv_layout=kv_layout,
-      has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
+      has_sink=sink_weights is not None, has_lse=return_lse,
+      has_scales=scales is not None, mask=mask,
       scale=scale * LOG2_E, soft_cap=None if soft_cap is None else soft_cap * LOG2_E,
       top_left=top_left, block_q=config.block_q, block_kv=config.block_kv,
       num_tiles=num_tiles, group=num_heads // num_kv_heads)
@@ -283,6 +302,7 @@ def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *
   inputs += list(kv_rows) if kv_rows is not None else []
   inputs += list(paged) if paged is not None else []
   inputs += [sink_weights] if sink_weights is not None else []
+  inputs += list(scales) if scales is not None else []
   inputs += [*q_ops, *k_ops, v]
   # Inside shard_map the outputs vary over the mesh axes any input varies over.
   varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))

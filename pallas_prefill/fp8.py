@@ -1,0 +1,73 @@
+"""FP8 inputs (issue 24, work in progress): e4m3 / e5m2 Q, K, V with dequantization
+scales. The real values are the FP8 values times their scales; a scale is a float32
+scalar, ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` (FlashAttention-3's descale
+shape; a query head uses its K/V head's). Q may instead be bf16/f16 over FP8 K/V (an FP8
+KV cache); it then needs no scale.
+
+``scales`` turns the three arguments into the two ``[batch, num_kv_heads]`` float32
+arrays the kernels read: the logits' factor ``q_scale * k_scale`` (which multiplies the
+softmax scale) and V's, which multiplies the output. ``quantize`` is the per-head absmax
+quantization the tests (and users) start from.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+
+
+def is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES]
+
+
+def check_scale(name, scale, batch, num_kv_heads):
+  """A validated scale as [batch, num_kv_heads] float32 (broadcast from a scalar or
+  [num_kv_heads])."""
+  if scale is None:
+    raise ValueError(f"{name} is needed with FP8 inputs (the dequantization scale)")
+  if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+    scale = jnp.float32(scale)
+  shape = getattr(scale, "shape", None)
+  if shape is None or not hasattr(scale, "dtype"):
+    raise TypeError(f"{name} must be a float32 array or a Python float, got "
+                    f"{type(scale).__name__}")
+  if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
+    raise TypeError(f"{name} must be float32, got {scale.dtype}")
+  if tuple(shape) not in ((), (num_kv_heads,), (batch, num_kv_heads)):
+    raise ValueError(f"{name} must be a scalar, [num_kv_heads] = [{num_kv_heads}] or "
+                     f"[batch, num_kv_heads] = [{batch}, {num_kv_heads}], got {tuple(shape)}")
+  return jnp.broadcast_to(scale, (batch, num_kv_heads))
+
+
+def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads):
+  """None for inputs without FP8, else (qk_scale, v_scale), each [batch, num_kv_heads]
+  float32. Raises for FP8 mixed with wider K/V, missing scales, and scales where no
+  input is FP8."""
+  fp8 = {name: is_fp8(x.dtype) for name, x in (("q", q), ("k", k), ("v", v))}
+  if not fp8["k"] and not fp8["v"]:
+    if fp8["q"]:
+      raise TypeError(f"FP8 q needs FP8 k and v, got k {k.dtype}, v {v.dtype}")
+    given = [n for n, s in (("q_scale", q_scale), ("k_scale", k_scale),
+                            ("v_scale", v_scale)) if s is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)} apply to FP8 inputs only; q, k, v are "
+                       f"{q.dtype}")
+    return None
+  if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
+    raise TypeError(f"k and v must share an FP8 dtype, got {k.dtype} and {v.dtype}")
+  qk = check_scale("k_scale", k_scale, batch, num_kv_heads)
+  if fp8["q"]:
+    qk = qk * check_scale("q_scale", q_scale, batch, num_kv_heads)
+  elif q_scale is not None:
+    raise ValueError(f"q_scale applies to an FP8 q; q is {q.dtype} (used as given)")
+  return qk, check_scale("v_scale", v_scale, batch, num_kv_heads)
+
+
+def quantize(x, dtype=jnp.float8_e4m3fn):
+  """Per-head absmax quantization of x [rows, heads, depth]: (x8, scale [heads] float32)
+  with x ~= x8 * scale and each head's largest magnitude at the dtype's largest value."""
+  top = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 2))
+  scale = jnp.where(top > 0, top / FP8_MAX[jnp.dtype(dtype)], 1.0).astype(jnp.float32)
+  return (x.astype(jnp.float32) / scale[None, :, None]).astype(dtype), scale
