@@ -68,9 +68,9 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
-  if scales is not None and backend == "mosaic_gpu":
-    raise NotImplementedError("backend='mosaic_gpu' cannot run FP8 inputs yet (issue 24): "
-                              "use 'auto' or 'triton'")
+  if scales is not None and (backend == "mosaic_gpu" or isinstance(config, MosaicConfig)):
+    raise NotImplementedError("the Mosaic GPU kernel cannot run FP8 inputs yet (issue 24): "
+                              "use backend 'auto' or 'triton' without a MosaicConfig")
   mosaic_config = None if scales is not None else select_backend(
       backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len, config,
       interpret)

@@ -15,6 +15,7 @@ import jax
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import partitioning
 from pallas_prefill import dispatch
+from pallas_prefill import fp8
 from pallas_prefill import logits
 from pallas_prefill import validation as val
 
@@ -70,6 +71,9 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
                  interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
+  if any(fp8.is_fp8(x.dtype) for x in (q, k_nope, k_rope, v)):
+    raise TypeError("mla_prefill takes no FP8 inputs yet (issue 24: mha_prefill's "
+                    "q_scale/k_scale/v_scale come first)")
   num_heads, depth = q.shape[1:]
   num_kv_heads, d_nope = k_nope.shape[-2:]
   d_rope = k_rope.shape[-1]

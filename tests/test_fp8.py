@@ -162,3 +162,27 @@ def test_fp8_q_needs_fp8_kv_and_bf16_needs_no_scales():
   with pytest.raises(ValueError, match="apply to FP8 inputs only"):
     x = jnp.ones((16, 4, 32), jnp.bfloat16)
     pp.mha_prefill(x, x[:, :2], x[:, :2], off, max_prompt_len=16, k_scale=jnp.float32(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: repr(c)[7:80])
+def test_fp8_compiled_matches_the_dequantized_reference(case):
+  """The same cases compiled on the GPU (``auto``: the Triton kernel serves FP8)."""
+  args, kw, last = _inputs(case, cases.fresh_seed())
+  expected = pp.reference.mha_prefill_reference(*args, **kw)
+  result = pp.mha_prefill(*args, interpret=False, **kw)
+  out = result[0] if case.lse else result
+  ref = expected[0] if case.lse else expected
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert cases.rel_err(np.asarray(out, np.float32), ref) < 5e-2
+  assert not np.asarray(out, np.float32)[last:].any()
+
+
+def test_fp8_refused_where_it_is_not_served():
+  e4 = jnp.float8_e4m3fn
+  x = jnp.ones((16, 4, 32), e4)
+  off = jnp.asarray([0, 16], jnp.int32)
+  with pytest.raises(TypeError, match="mla_prefill takes no FP8"):
+    pp.mla_prefill(jnp.ones((16, 4, 48), e4), x, x[:, :1, :16], x, off, max_prompt_len=16)
+  with pytest.raises(TypeError, match="float8"):
+    pp.dot_product_attention(x[None], x[None, :, :2], x[None, :, :2])
