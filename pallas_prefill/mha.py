@@ -106,12 +106,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   val.check_heads(num_heads, k.shape[-2])
   val.check_head_dim("head_dim", head_dim)
   val.check_head_dim("head_dim_v", v.shape[-1])
-  if sink_weights is not None:
-    val.check_array("sink_weights", sink_weights, 1)
-    if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
-                                                                jnp.floating):
-      raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
-                       f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+  val.check_sink_weights(sink_weights, num_heads)
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k)
   kv_arrays = logits.unpage(k, v)

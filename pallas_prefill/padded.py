@@ -29,6 +29,17 @@ from pallas_prefill.constants import EMPTY_ROW_LSE
 LENGTH_DTYPES = (jnp.int32, jnp.uint32)
 
 
+def run_starts(ids, padding_id):
+  """(real, new_run), each [batch, seq] bool, for segment ids [batch, seq] (concrete or
+  traced): which tokens are not ``padding_id`` (None: all), and which of those start a
+  run, a maximal stretch of equal ids without padding. The one definition of a run that
+  ``segment_runs``, the concrete checks and the reference share."""
+  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
+  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
+  prev_id = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  return real, real & (~prev_real | (ids != prev_id))
+
+
 def segment_runs(ids, padding_id, max_segments):
   """Each batch row's sequences in segment ids ``[batch, seq]``: every maximal run of
   equal ids that are not ``padding_id`` (None: no padding) is one. Returns (starts,
@@ -37,10 +48,7 @@ def segment_runs(ids, padding_id, max_segments):
   runs at ``seq``; runs past ``max_segments`` are dropped (their tokens count as padding).
   Plain jnp, traced ids welcome."""
   batch, seq = ids.shape
-  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
-  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
-  prev_id = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
-  new_run = real & (~prev_real | (ids != prev_id))
+  real, new_run = run_starts(ids, padding_id)
   run = jnp.cumsum(new_run, axis=1, dtype=jnp.int32) - 1  # each real token's run
   keep = real & (run < max_segments)
   rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], ids.shape)
@@ -138,11 +146,8 @@ def _check_ids(name, ids, batch, size):
 
 def _runs_needed(ids, padding_id) -> int:
   """The most sequences any row of concrete segment ids holds."""
-  ids = np.asarray(ids)
-  real = np.ones(ids.shape, bool) if padding_id is None else ids != padding_id
-  prev_real = np.pad(real[:, :-1], ((0, 0), (1, 0)))
-  prev = np.pad(ids[:, :-1], ((0, 0), (1, 0)))
-  return int((real & (~prev_real | (ids != prev))).sum(axis=1).max(initial=0))
+  _, new_run = run_starts(np.asarray(ids), padding_id)
+  return int(np.asarray(new_run).sum(axis=1).max(initial=0))
 
 
 def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
@@ -165,23 +170,22 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
     raise TypeError(f"padding_segment_id must be a static int or None, got "
                     f"{padding_segment_id!r}")
   concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
+  names = ("segment_ids (queries)", "segment_ids (keys/values)")
+  needed = {name: _runs_needed(ids, padding_segment_id)  # counted once, used twice
+            for name, ids in zip(names, (q_ids, kv_ids))} if concrete else {}
   if max_segments is None:
     if not concrete:
       raise ValueError("max_segments (a static int bounding the sequences per batch row) "
                        "is needed with traced segment_ids")
-    max_segments = max(1, _runs_needed(q_ids, padding_segment_id),
-                       _runs_needed(kv_ids, padding_segment_id))
+    max_segments = max(1, *needed.values())
     max_segments = 1 << (max_segments - 1).bit_length()  # fewer recompilations
   if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or (
       max_segments < 1):
     raise ValueError(f"max_segments must be a static int >= 1, got {max_segments!r}")
-  if concrete:
-    for name, ids in (("segment_ids (queries)", q_ids), ("segment_ids (keys/values)",
-                                                           kv_ids)):
-      need = _runs_needed(ids, padding_segment_id)
-      if need > max_segments:
-        raise ValueError(f"{name} hold {need} sequences in one batch row, more than "
-                         f"max_segments = {max_segments}")
+  for name, need in needed.items():
+    if need > max_segments:
+      raise ValueError(f"{name} hold {need} sequences in one batch row, more than "
+                       f"max_segments = {max_segments}")
   return q_ids, kv_ids, int(max_segments)
 
 
@@ -271,12 +275,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
   val.check_head_dim("head_dim_v", value.shape[-1])
   mask = window_mask(is_causal, local_window_size)
   backend = "auto" if backend is None else backend
-  if sink_weights is not None:
-    val.check_array("sink_weights", sink_weights, 1)
-    if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
-                                                                jnp.floating):
-      raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
-                       f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+  val.check_sink_weights(sink_weights, num_heads)
   if segment_ids is not None:
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
       raise ValueError("segment_ids and query_seq_lengths/key_value_seq_lengths describe "

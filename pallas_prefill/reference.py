@@ -14,7 +14,7 @@ from jax import lax
 from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.paged import PagedKV
-from pallas_prefill.padded import window_mask
+from pallas_prefill.padded import run_starts, window_mask
 from pallas_prefill.constants import EMPTY_ROW_LSE
 
 _HI = lax.Precision.HIGHEST
@@ -186,10 +186,7 @@ def _token_runs(ids, padding_id):
   """Per token of [batch, seq] segment ids: its run (maximal run of equal ids, -1 for
   padding) and its position within the run."""
   seq = ids.shape[1]
-  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
-  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
-  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
-  new_run = real & (~prev_real | (ids != prev))
+  real, new_run = run_starts(ids, padding_id)
   run = jnp.cumsum(new_run, axis=1) - 1
   t = jnp.arange(seq)[None, :]
   run_start = lax.cummax(jnp.where(new_run, t, 0), axis=1)

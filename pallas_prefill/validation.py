@@ -181,6 +181,17 @@ def validate_if_concrete(input_row_offsets, kv_input_row_offsets, *, max_prompt_
     _validate_one("kv_input_row_offsets", kv_input_row_offsets, total_kv)
 
 
+def check_sink_weights(sink_weights, num_heads):
+  """None, or a float vector [num_heads]."""
+  if sink_weights is None:
+    return
+  check_array("sink_weights", sink_weights, 1)
+  if sink_weights.shape[0] != num_heads or not jnp.issubdtype(sink_weights.dtype,
+                                                              jnp.floating):
+    raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
+                     f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+
+
 def check_heads(num_heads, num_kv_heads):
   if num_kv_heads == 0 or num_heads % num_kv_heads:
     raise ValueError(
