@@ -68,12 +68,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
-  if scales is not None and (backend == "mosaic_gpu" or isinstance(config, MosaicConfig)):
-    raise NotImplementedError("the Mosaic GPU kernel cannot run FP8 inputs yet (issue 24): "
-                              "use backend 'auto' or 'triton' without a MosaicConfig")
-  mosaic_config = None if scales is not None else select_backend(
-      backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len, config,
-      interpret)
+  mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
+                                 max_prompt_len, config, interpret)
   kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
             paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:

@@ -182,6 +182,11 @@ def test_fp8_refused_where_it_is_not_served():
   e4 = jnp.float8_e4m3fn
   x = jnp.ones((16, 4, 32), e4)
   off = jnp.asarray([0, 16], jnp.int32)
+  one = jnp.float32(1)
+  for kw in (dict(backend="mosaic_gpu"), dict(config=pp.MosaicConfig())):
+    with pytest.raises(NotImplementedError, match="FP8 inputs run on the Triton kernel"):
+      pp.mha_prefill(x, x[:, :2], x[:, :2], off, max_prompt_len=16, q_scale=one,
+                     k_scale=one, v_scale=one, interpret=False, **kw)
   with pytest.raises(TypeError, match="mla_prefill takes no FP8"):
     pp.mla_prefill(jnp.ones((16, 4, 48), e4), x, x[:, :1, :16], x, off, max_prompt_len=16)
   with pytest.raises(TypeError, match="float8"):

@@ -35,6 +35,9 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
   """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
   need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place, smaller
   ones gathered first (``operands.gathered_pages``)."""
+  if jnp.dtype(dtype).itemsize == 1:
+    return (f"dtype {jnp.dtype(dtype).name}: FP8 inputs run on the Triton kernel for now "
+            "(issue 24: 'auto' picks it)")
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
   for w in [p.width for p in parts] + [v_depth]:
