@@ -3,7 +3,8 @@
 # compile in parallel), then the harness; arguments go to benchmarks.run. Results land in
 # $OUT (or ./h200-out): gpu-tests.log, bench.log, results.json, results.md.
 # H200_PART=tests or H200_PART=bench runs one of the two; H200_TEST_ARGS adds pytest
-# arguments (e.g. "-k mosaic"). Wheels carried in .whl (tokamax and its dependencies,
+# arguments, split on spaces (e.g. "-k mosaic"; an expression with spaces needs a direct
+# pytest call). Wheels carried in .whl (tokamax and its dependencies,
 # BUILD_NOTES.md) are installed first.
 set -uo pipefail
 out=${OUT:-h200-out}
@@ -16,8 +17,10 @@ fi
 # JAX allocates on demand: torch's anchors share the GPU in the same process.
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ "$part" != bench ]; then
+  # Eight test processes share the GPU: each frees what it no longer uses (the platform
+  # allocator), so that one's cached blocks do not run another out of memory.
   # shellcheck disable=SC2086
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark -n 8 \
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark -n 8 \
     ${H200_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log" | tail -25
 fi
 if [ "$part" != tests ]; then

@@ -89,6 +89,13 @@ class _Program:
   qk_scale: object = None  # FP8: the logits' dequantization factor, or None
   v_scale: object = None  # FP8: V's, which multiplies the output
 
+  @property
+  def wide(self):
+    """The dtype FP8 tiles are widened to: Q's when Q is 16-bit (f16 holds every e4m3 and
+    e5m2 value too), else bf16."""
+    q_dtype = jnp.dtype(self.q_refs[0].dtype)
+    return q_dtype if q_dtype.itemsize == 2 else jnp.dtype(jnp.bfloat16)
+
   def page_of(self, j, block_kv):
     """The page holding KV tile j (block_kv divides page_size: one page per tile)."""
     num_pages, page_size = self.v_ref.shape[:2]
@@ -174,7 +181,7 @@ def _attend(p: _Program, row0, *, parts, mask, scale, soft_cap, block_q, block_k
     q_ref = p.q_refs[part.q_index]
     qs.append(_load(
         q_ref.at[pl.ds(p.q_start + row0, block_q), p.h, pl.ds(part.q_col, part.width)],
-        row_valid[:, None]))
+        row_valid[:, None], p.wide))
   if p.qk_scale is not None:
     scale = scale * p.qk_scale  # FP8: the dequantization scales of Q and K
 
@@ -215,14 +222,15 @@ def _attend(p: _Program, row0, *, parts, mask, scale, soft_cap, block_q, block_k
     plt.store(p.lse_ref.at[pl.ds(p.q_start + row0, block_q), p.h], lse, mask=row_valid)
 
 
-def _load(view, mask):
-  """A tile, zeros where `mask` (None: all rows) is False. FP8 tiles are widened to bf16
-  (exact: every e4m3 and e5m2 value is a bf16 value) and zeroed after the load: Triton
-  has no FP8 fill value, and a masked-off FP8 lane may hold a NaN pattern."""
+def _load(view, mask, wide):
+  """A tile, zeros where `mask` (None: all rows) is False. FP8 tiles are widened to
+  `wide` (bf16 or f16, both exact: every e4m3 and e5m2 value is a value of either) and
+  zeroed after the load: Triton has no FP8 fill value, and a masked-off FP8 lane may hold
+  a NaN pattern."""
   if jnp.dtype(view.dtype).itemsize != 1:
     return plt.load(view, mask=mask, other=None if mask is None else 0)
-  x = plt.load(view, mask=mask).astype(jnp.bfloat16)
-  return x if mask is None else jnp.where(mask, x, jnp.zeros((), jnp.bfloat16))
+  x = plt.load(view, mask=mask).astype(wide)
+  return x if mask is None else jnp.where(mask, x, jnp.zeros((), wide))
 
 
 def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, soft_cap,
@@ -243,7 +251,7 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, so
   for part, q in zip(parts, qs):
     k_head = jnp.int32(0) if part.shared_k else p.kv_head
     k = _load(tile_at(p.k_refs[part.k_index], k_head, pl.ds(part.k_col, part.width)),
-              load_mask)
+              load_mask, p.wide)
     term = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)
     s = term if s is None else s + term
@@ -259,7 +267,7 @@ def _kv_step(p: _Program, parts, qs, q_pos, j, carry, *, masked, mask, scale, so
   if masked:
     p_ = jnp.where(visible, p_, 0.0)
   l_new = l_prev * alpha + jnp.sum(p_, axis=1)
-  v = _load(tile_at(p.v_ref, p.kv_head, slice(None)), load_mask)
+  v = _load(tile_at(p.v_ref, p.kv_head, slice(None)), load_mask, p.wide)
   acc = acc * alpha[:, None] + lax.dot_general(
       p_.astype(v.dtype), v, (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32)
