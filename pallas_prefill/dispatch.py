@@ -51,7 +51,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
     top_left: query i of every sequence sits at position i (``jax.nn``'s causal mask)
       instead of kv_len - q_len + i.
     scales: None, or FP8's (qk_scale, v_scale), each [batch, num_kv_heads] float32
-      (``fp8.scales``); Triton only for now.
+      (``fp8.scales``).
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
@@ -69,7 +69,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
   mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
-                                 max_prompt_len, config, interpret)
+                                 max_prompt_len, config, interpret, q_dtype=q_ops[0].dtype)
   kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
             paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:
@@ -77,7 +77,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
     v = pad_depth(v, mosaic_depth(v.shape[-1]))
     out = mosaic_gpu.ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows,
                                            sink_weights, parts=parts, config=mosaic_config,
-                                           **kw)
+                                           scales=scales, **kw)
   else:
     out = triton_backend.ragged_attention_triton(
         q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, parts=parts,
@@ -89,7 +89,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
 
 
 def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
-                   config, interpret) -> MosaicConfig | None:
+                   config, interpret, q_dtype=None) -> MosaicConfig | None:
   """The Mosaic GPU config to run with, or None for the Triton kernel.
 
   "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
@@ -115,7 +115,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
         default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
         v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
-                                         return_lse, mosaic_config)
+                                         return_lse, mosaic_config, q_dtype=q_dtype,
+                                         paged=paged is not None)
   if backend == "mosaic_gpu" or isinstance(config, MosaicConfig):
     # (validation refused interpret mode)
     if reason is not None:

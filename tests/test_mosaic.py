@@ -699,6 +699,15 @@ class Lowered:
   config: pp.MosaicConfig | None = None
   max_prompt_len: int = 512  # > config.LONG_PROMPT (1024): the long-prompt tuned entry
   soft_cap: float | None = None
+  scale_shape: tuple = (2,)  # FP8 (dtype float8_e4m3fn): the dequantization scales' shape
+
+  @property
+  def out_dtype(self):
+    """The output's dtype: the given one, else Q's (bf16 for FP8)."""
+    if self.output_dtype is not None:
+      return jnp.dtype(self.output_dtype)
+    dt = jnp.dtype(self.dtype)
+    return jnp.dtype(jnp.bfloat16) if dt.itemsize == 1 else dt
 
   def lower(self):
     dt, s = jnp.dtype(self.dtype), jax.ShapeDtypeStruct
@@ -708,19 +717,23 @@ class Lowered:
               output_dtype=self.output_dtype, interpret=False, backend="mosaic_gpu",
               config=self.config, logits_soft_cap=self.soft_cap)
     kv_off = off if self.total_kv else None
+    scales = [s(self.scale_shape, jnp.float32)] * 3 if dt.itemsize == 1 else [None] * 3
+    names = ("q_scale", "k_scale", "v_scale")
     if self.kind == "mha":
-      def fn(q, k, v, o, ko, sw):
-        return pp.mha_prefill(q, k, v, o, kv_input_row_offsets=ko, sink_weights=sw, **kw)
+      def fn(q, k, v, o, ko, sw, *sc):
+        return pp.mha_prefill(q, k, v, o, kv_input_row_offsets=ko, sink_weights=sw, **kw,
+                              **dict(zip(names, sc)))
       args = (s((self.total_q, self.heads, self.head_dim), dt),
               s((kv_rows, self.kv_heads, self.head_dim), dt),
               s((kv_rows, self.kv_heads, self.head_dim_v), dt), off, kv_off,
-              s((self.heads,), jnp.float32) if self.sink else None)
+              s((self.heads,), jnp.float32) if self.sink else None, *scales)
     else:
-      def fn(q, kn, kr, v, o, ko):
-        return pp.mla_prefill(q, kn, kr, v, o, kv_input_row_offsets=ko, **kw)
+      def fn(q, kn, kr, v, o, ko, *sc):
+        return pp.mla_prefill(q, kn, kr, v, o, kv_input_row_offsets=ko, **kw,
+                              **dict(zip(names, sc)))
       args = (s((self.total_q, self.heads, self.head_dim + self.rope), dt),
               s((kv_rows, self.kv_heads, self.head_dim), dt), s((kv_rows, 1, self.rope), dt),
-              s((kv_rows, self.kv_heads, self.head_dim_v), dt), off, kv_off)
+              s((kv_rows, self.kv_heads, self.head_dim_v), dt), off, kv_off, *scales)
     from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
     return lower_for_h200(fn, *args)
 
@@ -760,6 +773,18 @@ LOWERED = [
     Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
             config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
+    # Issue 24: FP8 (e4m3) Q, K, V: FP8 matrix products, V transposed, scales by row
+    *[Lowered(dtype="float8_e4m3fn", mask=m, scale_shape=sh) for m, sh in (
+        (masks.CausalMask(), (2,)), (masks.NullMask(), ()),
+        (masks.SlidingWindowCausalMask(128), (5, 2)), (masks.ChunkedCausalMask(256), (2,)))],
+    Lowered(dtype="float8_e4m3fn", kv_heads=1, sink=True, lse=True, scale_shape=(1,)),
+    Lowered(dtype="float8_e4m3fn", total_q=1001, total_kv=1503, lse=True,
+            output_dtype="float32", scale_shape=(5, 2)),
+    Lowered(dtype="float8_e4m3fn", total_q=40, total_kv=50),  # arrays shorter than a tile
+    Lowered(dtype="float8_e4m3fn", head_dim=64, head_dim_v=64, soft_cap=30.0,
+            config=pp.MosaicConfig(block_kv=64, num_stages=3)),
+    Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, lse=True,
+            scale_shape=(16,)),
 ]
 
 
@@ -773,7 +798,7 @@ def test_default_config_lowers(problem):
   out = out_info[0] if problem.lse else out_info
   dv = problem.head_dim_v
   assert out.shape == (problem.total_q, problem.heads, dv)
-  assert out.dtype == jnp.dtype(problem.output_dtype or problem.dtype)
+  assert out.dtype == problem.out_dtype
   if problem.lse:
     assert out_info[1].shape == (problem.total_q, problem.heads)
 
@@ -946,13 +971,16 @@ MLA_PARTS = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 128, 1, 0, 64, sha
              config=pp.MosaicConfig(block_kv=64)), [logits.QkPart(0, 0, 0, 0, 256)]),
     (Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(dynamic=False))), MHA_PARTS),
     (Lowered(config=SPLIT, lse=True), MHA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", lse=True, config=pp.MosaicConfig()), MHA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, scale_shape=(16,),
+             config=pp.MosaicConfig()), MLA_PARTS),
 ], ids=repr)
 def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
   """``smem.smem_bytes``, which output buffers, fitted configs and refusals follow, is the
   dynamic shared memory of the lowered kernel (its ``Scratch`` with Pallas Mosaic GPU's
   alignment and barriers), and within the H200's limit."""
   dv = problem.head_dim_v
-  out = jnp.dtype(problem.output_dtype or problem.dtype)
+  out = problem.out_dtype
   want = smem.smem_bytes(parts, dv, jnp.dtype(problem.dtype), out, problem.lse,
                          problem.config)
   threads, got = mosaic_launches(problem.lower())[-1]

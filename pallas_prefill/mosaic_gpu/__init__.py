@@ -30,15 +30,22 @@ from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, s
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
 
 
-def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse,
-                       config: MosaicConfig) -> str | None:
+def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
+                       *, q_dtype=None, paged=False) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
-  need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place, smaller
-  ones gathered first (``operands.gathered_pages``)."""
+  need no check in bf16/f16: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in
+  place, smaller ones gathered first (``operands.gathered_pages``). FP8 (``dtype`` K/V's,
+  ``q_dtype`` Q's): e4m3 Q, K and V, not paged."""
   if jnp.dtype(dtype).itemsize == 1:
-    return (f"dtype {jnp.dtype(dtype).name}: FP8 inputs run on the Triton kernel for now "
-            "(issue 24: 'auto' picks it)")
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float8_e4m3fn):
+      return (f"dtype {jnp.dtype(dtype).name}: the FP8 kernel takes float8_e4m3fn "
+              "(the Triton kernel serves e5m2; 'auto' picks it)")
+    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+      return (f"q {jnp.dtype(q_dtype).name} over FP8 K/V: the FP8 kernel needs FP8 Q "
+              "(the Triton kernel serves it; 'auto' picks it)")
+    if paged:
+      return "FP8 paged caches run on the Triton kernel for now ('auto' picks it)"
+  elif jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
   for w in [p.width for p in parts] + [v_depth]:
     if w % 64 or w > 256:
@@ -62,14 +69,16 @@ def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
 
 def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts,
                           mask, scale, output_dtype, return_lse, config: MosaicConfig,
-                          paged=None, soft_cap=None, top_left=False):
+                          paged=None, soft_cap=None, top_left=False, scales=None):
   """The Mosaic GPU kernel on validated, supported operands (``unsupported_reason`` is
   None); arguments and results as ``dispatch.ragged_attention``'s (V padded). A paged cache
   (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
   or from ``layout.tile_pages`` consecutive ones, when its pages have
   ``layout.MIN_NATIVE_PAGE`` rows or more; smaller pages are gathered into contiguous K/V
   first (``operands.gathered_pages``). Split units need dynamic scheduling
-  (``smem.splits``): without it, the units are shared."""
+  (``smem.splits``): without it, the units are shared. FP8 (``scales``: the logits' and
+  V's dequantization factors, each [batch, num_kv_heads] float32): V goes to the kernel
+  transposed and the factors by query row (``fp8_operands``)."""
   total_q, num_heads, _ = q_ops[0].shape
   paged_cache = block_table = page_size = None
   config = dataclasses.replace(config, split_units=splits(config))
@@ -85,11 +94,15 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
   num_kv_heads, v_depth = v.shape[-2:]
   rows = L.COMPUTE_WGS * config.block_q
+  fp8 = jnp.dtype(v.dtype).itemsize == 1
+  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, scale * LOG2_E,
+                               total_q=total_q, block_kv=config.block_kv) if fp8 else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,
                                                 paged_cache=paged_cache,
-                                                block_table=block_table, top_left=top_left)
+                                                block_table=block_table, top_left=top_left,
+                                                fp8=extra)
   num_items = inputs[0].shape[0]  # the work list's rows
   spec = KernelSpec(
       parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), dtype=v.dtype, v_depth=v_depth,

@@ -68,6 +68,10 @@ from pallas_prefill.mosaic_gpu import smem
 from pallas_prefill.mosaic_gpu.schedule import (dealt_unit, num_local_units, program_unit,
                                                 unit_head_item)
 
+# FP8: P is quantized as 2**P_BIAS times its value (at most 256 of e4m3's 448), which keeps
+# small probabilities out of e4m3's subnormals; the running sum carries the same factor.
+P_BIAS = 8
+
 # The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
 # (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
 # barrier 0 and 1 + the warpgroup index.
@@ -119,6 +123,12 @@ class KernelSpec:
     return L.column_chunks(self.parts)
 
   @property
+  def fp8(self) -> bool:
+    """FP8 operands: Q.K and P.V as FP8 matrix products (V transposed, P through shared
+    memory), the logits' dequantization factor and V's read per item (``Item``)."""
+    return jnp.dtype(self.dtype).itemsize == 1
+
+  @property
   def pages(self) -> int:
     """The pages a paged KV tile comes from (``piece`` rows from each)."""
     return 1 if self.page_size is None else L.tile_pages(self.block_kv, self.page_size)
@@ -132,8 +142,10 @@ class KernelSpec:
 class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
-  V, ``v_tail``, the block table (paged only, else None), the output and the per-item LSE
-  (or None)."""
+  V (FP8: transposed, [num_kv_heads, v_depth, rows]), ``v_tail``, the block table (paged
+  only, else None), FP8's per-row scales (each [total_q, num_kv_heads] float32: the
+  logits' factor times the softmax scale and log2(e), and V's; else None), the output and
+  the per-item LSE (or None)."""
 
   meta: object
   scalars: object
@@ -145,6 +157,8 @@ class Refs:
   table: object
   o: object
   lse: object
+  qk_rows: object = None
+  v_rows: object = None
 
   @classmethod
   def unpack(cls, meta_ref, scalar_ref, refs, spec: KernelSpec) -> Refs:
@@ -154,8 +168,10 @@ class Refs:
     k, refs = refs[:spec.n_k], refs[spec.n_k:]
     v, v_tail, *refs = refs
     table = refs.pop(0) if spec.page_size is not None else None
+    qk_rows, v_rows = (refs.pop(0), refs.pop(0)) if spec.fp8 else (None, None)
     return cls(meta=meta_ref, scalars=scalar_ref, sink=sink, q=q, k=k, v=v, v_tail=v_tail,
-               table=table, o=refs[0], lse=refs[1] if spec.has_lse else None)
+               table=table, o=refs[0], lse=refs[1] if spec.has_lse else None,
+               qk_rows=qk_rows, v_rows=v_rows)
 
 
 def tile_first_row(kv_row8, kv_last8, i, *, block_kv):
@@ -356,6 +372,8 @@ class Item:
   kv_row8: object
   kv_last8: object
   base: object
+  qk_scale: object = None  # FP8: the logit factor (softmax scale and log2(e) included)
+  v_scale: object = None  # FP8: V's dequantization scale, which multiplies the output
 
 
 def first_q_row(meta, half, block_q):
@@ -369,7 +387,8 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
   plgpu.set_max_registers(224 if spec.split else 232, action="increase")
   q_fill = [fill.at[wg] for fill, _ in scratch.q]
   own = dict(q=[tiled.at[wg] for _, tiled in scratch.q], o=[o.at[wg] for o in scratch.o],
-             lse=scratch.lse.at[wg] if spec.has_lse else None)
+             lse=scratch.lse.at[wg] if spec.has_lse else None,
+             p=scratch.p.at[wg] if spec.fp8 else None)
 
   def load_q(hw):
     """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free); none for a
@@ -390,7 +409,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
       copies()
 
   def run(hw, base, fetch_next):
-    item = read_item(spec, units, hw, base)
+    item = read_item(spec, refs, units, hw, base)
     wait_q = lambda: plgpu.barrier_wait(scratch.q_loaded.at[wg])  # noqa: E731
     if spec.skip_keyless_q:
       # The barrier's phase lives in shared memory and moves only with a wait: skipping
@@ -399,7 +418,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     else:
       wait_q()
     turns = Turns(spec.split, wg)
-    carry = attend_item(spec, refs, scratch, units, turns, item, own["q"])
+    carry = attend_item(spec, refs, scratch, units, turns, item, own["q"], own["p"])
     turns.end()
     # The matrix products are done with this Q: the next item's loads while this one is
     # written out.
@@ -412,8 +431,9 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
   plgpu.wait_smem_to_gmem(0)
 
 
-def read_item(spec: KernelSpec, units: Units, hw, base) -> Item:
-  """The unit's row of the work list, as the compute warpgroup needs it (``Item``)."""
+def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
+  """The unit's row of the work list, as the compute warpgroup needs it (``Item``); FP8:
+  the scales of its sequence (the rows of its first query row's)."""
   h, w, meta, item_lo, item_hi, half = units.item_of(hw)
   kv_start, kv_len = meta(L.KV_START), meta(L.KV_LEN)
   kv_row8, kv_last8 = meta(L.KV_ROW8), meta(L.KV_LAST8)
@@ -425,16 +445,24 @@ def read_item(spec: KernelSpec, units: Units, hw, base) -> Item:
   n_rows = jnp.clip(q_start + q_len - row, 0, spec.block_q) - first
   start_pos = 0 if spec.top_left else kv_len - q_len
   row_pos = start_pos + row - q_start  # position of the row `row`
+  scales = {}
+  if spec.fp8:
+    kv_head = lax.div(h, jnp.int32(spec.group))
+    scales = dict(qk_scale=refs.qk_rows[q_start, kv_head], v_scale=refs.v_rows[q_start, kv_head])
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
-              kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base)
+              kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base,
+              **scales)
 
 
-def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem):
+def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem, p_smem):
   """The KV loop of one unit: skipped tiles (the item's, outside this warpgroup's range),
-  masked tiles, unmasked ones, masked ones, skipped ones. Returns (acc, m, l)."""
+  masked tiles, unmasked ones, masked ones, skipped ones. Returns (acc, m, l); FP8: m is
+  the running maximum less P_BIAS, l carries 2**P_BIAS."""
   layout = plgpu.Layout.WGMMA
-  if spec.has_sink:
+  if spec.has_sink and spec.fp8:
+    m0, l0 = refs.sink[item.h] * LOG2_E - P_BIAS, float(2 ** P_BIAS)
+  elif spec.has_sink:
     m0, l0 = refs.sink[item.h] * LOG2_E, 1.0
   else:
     m0, l0 = MASK_VALUE, 0.0
@@ -455,7 +483,8 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem):
     return carry
 
   def step(i, carry, *, masked):
-    return attend_tile(spec, scratch, turns, item, q_smem, i, slot, carry, masked=masked)
+    return attend_tile(spec, scratch, turns, item, q_smem, p_smem, i, slot, carry,
+                       masked=masked)
 
   masked_step = functools.partial(step, masked=True)
   lax.fori_loop(item.item_lo, item.t_lo, skip, None)
@@ -467,14 +496,18 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem):
   return carry
 
 
-def attend_tile(spec, scratch, turns, item: Item, q_smem, i, slot, carry, *, masked):
+def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry, *,
+                masked):
   """KV tile i of the online softmax: (acc, m, l) -> (acc, m, l); slot(i) is its K/V
   slot."""
   acc, m_i, l_i = carry
   s = qk_scores(spec, scratch, turns, q_smem, i, slot)
-  # The row maximum commutes with a positive scale, not with the soft cap.
-  fold = spec.fold_scale and spec.scale > 0 and spec.soft_cap is None
-  if not fold:
+  # The row maximum commutes with a positive scale, not with the soft cap. (FP8's scale is
+  # the item's, traced.)
+  fold = spec.fold_scale and spec.scale > 0 and spec.soft_cap is None and not spec.fp8
+  if spec.fp8:
+    s = s * item.qk_scale
+  elif not fold:
     s = s * spec.scale
   if spec.soft_cap is not None:
     # Mosaic GPU's approx_math makes this one tanh.approx.f32 (relative error ~2^-11): the
@@ -485,7 +518,10 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, i, slot, carry, *, mas
   if masked:
     s = mask_scores(spec, item, i, s)
   acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
-  acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
+  if spec.fp8:
+    acc, l_i, m_new = pv_fp8(scratch, turns, i, slot, acc, l_i, m_new, p, p_smem)
+  else:
+    acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
   return acc, m_new, l_i
 
 
@@ -521,8 +557,13 @@ def mask_scores(spec, item: Item, i, s):
 def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   """The running maximum and the tile's probabilities (base 2, the scale folded into the
   exponent where ``fold``: one FFMA per score); the accumulators and the running sum
-  rescaled to the new maximum. Returns (acc, l, m_new, p, p in the input dtype)."""
-  if fold:
+  rescaled to the new maximum. Returns (acc, l, m_new, p, p in the input dtype). FP8
+  (never folded): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value
+  (at most 256)."""
+  if spec.fp8:
+    m_new = jnp.maximum(m_i, s.max(axis=1) - P_BIAS)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  elif fold:
     m_new = jnp.maximum(m_i, s.max(axis=1) * spec.scale)
     p = primitives.exp2_fma(s, spec.scale, lax.broadcast_in_dim(-m_new, s.shape, [0]))
   else:
@@ -532,6 +573,26 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
   l_i = l_i * alpha
   return acc, l_i, m_new, p, p.astype(spec.dtype)  # the matrix products' input dtype
+
+
+def pv_fp8(scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
+  """FP8's acc += P.V of KV tile i: P quantized to e4m3 into this warpgroup's shared-memory
+  buffer (an FP8 A operand must be K-major, which the accumulator's register layout is
+  not), then one product per 64 columns of V from V^T, in this warpgroup's turn; releases
+  its V slot. The previous tile's products are done (their accumulators were read), so
+  the buffer is free. Returns (acc, l, m_new)."""
+  l_i = l_i + p.sum(axis=1)
+  p_smem[...] = p.astype(p_smem.dtype)
+  plgpu.commit_smem()
+  turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
+
+  def products(acc_refs):
+    for acc_ref, (_, vts) in zip(acc_refs, scratch.v):
+      plgpu.wgmma(acc_ref, p_smem, vts.at[slot(i)].transpose((1, 0)))
+
+  acc = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in acc))
+  plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
+  return acc, l_i, m_new
 
 
 def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16):
@@ -562,7 +623,10 @@ def epilogue(spec, refs, item: Item, carry, o_smem, lse_smem):
   acc, m_i, l_i = carry
   seen = l_i > 0
   l_safe = jnp.where(seen, l_i, 1.0)
-  out = [(a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(spec.out_dtype) for a in acc]
+  # FP8: V's scale multiplies the output (the running sum and m carry P_BIAS, which
+  # cancel in the LSE).
+  l_out = l_safe / item.v_scale if spec.fp8 else l_safe
+  out = [(a / lax.broadcast_in_dim(l_out, a.shape, [0])).astype(spec.out_dtype) for a in acc]
   # The output buffers take len(o_smem) accumulators at a time: all of them, or one
   # (``smem.output_buffers``), refilled once the previous column chunk's stores read it.
   for g in range(0, len(out), len(o_smem)):
@@ -630,6 +694,8 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
       pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot]))
       if paged:
         load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
+      elif spec.fp8:
+        load_vt_tile(spec, refs, scratch, slot, start, kv_head)
       else:
         load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8)
 
@@ -687,6 +753,15 @@ def load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, seq, last_t
     def _(cols=cols, vs=vs):
       for src, rows in copies(refs.v, kv_head, cols):
         plgpu.copy_gmem_to_smem(src, vs.at[slot].at[rows], scratch.v_loaded.at[slot])
+
+
+def load_vt_tile(spec, refs, scratch, slot, start, kv_head):
+  """FP8: TMA of the V^T tile of keys [start, start + block_kv), one copy per 64 rows of
+  V^T (columns of V). V^T's columns past the batch's last key are zeros (``operands``)."""
+  for c, (fill, _) in enumerate(scratch.v):
+    plgpu.copy_gmem_to_smem(
+        refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start, spec.block_kv)],
+        fill.at[slot], scratch.v_loaded.at[slot])
 
 
 def load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8):

@@ -46,14 +46,45 @@ def padded_rows(rows: int, tile: int) -> int:
   return max(rows, tile)
 
 
+# FP8: KV tiles start at multiples of 16 keys, V^T's TMA needing 16-byte aligned rows.
+FP8_KV_ALIGN = 16
+
+
+def fp8_operands(v, q_offsets, kv_rows, scales, logit_scale, *, total_q, block_kv):
+  """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
+  multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
+  sequence's keys zeroed (padding and rows past the batch's last key may hold anything,
+  NaN included, and 0 * NaN is NaN); and the scales by query row,
+  each [total_q, num_kv_heads] float32: row r's sequence's logit factor times
+  ``logit_scale`` (so the kernel multiplies once), and V's. One XLA transpose of V (an FP8
+  matrix product reads its B operand K-major: the keys along a row)."""
+  total_kv = v.shape[0]
+  batch = q_offsets.shape[0] - 1
+  starts, ends = ((q_offsets[:-1], q_offsets[1:]) if kv_rows is None else kv_rows)
+  starts = jnp.clip(starts.astype(jnp.int32), 0, total_kv)
+  ends = jnp.clip(ends.astype(jnp.int32), starts, total_kv)
+  # Rows inside some sequence's [start, end): a +1/-1 count over the rows.
+  marks = jnp.zeros((total_kv + 1,), jnp.int32).at[starts].add(1).at[ends].add(-1)
+  live = (jnp.cumsum(marks)[:total_kv] > 0)[:, None, None]
+  vt = jnp.transpose(jnp.where(live, v, jnp.zeros((), v.dtype)), (1, 2, 0))
+  rows = max(-(-total_kv // 16) * 16, block_kv)
+  vt = jnp.pad(vt, [(0, 0), (0, 0), (0, rows - total_kv)])
+  seq = jnp.searchsorted(q_offsets[1:].astype(jnp.int32), jnp.arange(total_q, dtype=jnp.int32),
+                         side="right")
+  seq = jnp.clip(seq, 0, batch - 1)
+  qk_scale, v_scale = scales
+  return vt, (qk_scale * logit_scale)[seq], v_scale[seq]
+
+
 def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_lse,
              config: MosaicConfig, paged_cache=None, block_table=None, interpret=False,
-             top_left=False):
+             top_left=False, fp8=None):
   """The work before the kernel: its operands (the work list, the scalars, the sink
-  weights if any, Q, K, V and ``v_tail``); with ``return_lse``, each output row's LSE
-  slot; and the persistent grid's size, which the unit order is chosen for. Arguments as
-  ``mosaic_gpu.ragged_attention_mgpu``'s; ``interpret`` runs ``work_items``' kernel in Mosaic GPU's
-  interpret mode (to call this on the CPU)."""
+  weights if any, Q, K, V and ``v_tail``, FP8's scales by row); with ``return_lse``, each
+  output row's LSE slot; and the persistent grid's size, which the unit order is chosen
+  for. Arguments as ``mosaic_gpu.ragged_attention_mgpu``'s; ``fp8``: ``fp8_operands``
+  (V^T replaces V); ``interpret`` runs ``work_items``' kernel in Mosaic GPU's interpret
+  mode (to call this on the CPU)."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
@@ -67,6 +98,8 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   page_tiles = block_table is not None
   kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
             paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left)
+  if fp8 is not None:  # V^T's tiles: a row's first key 16-byte aligned for TMA
+    kw["kv_align"] = FP8_KV_ALIGN
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options
@@ -125,7 +158,8 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
   inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
-  inputs += [grow(v, kv_rows), v_tail]
+  inputs += [grow(v, kv_rows) if fp8 is None else fp8[0], v_tail]
+  inputs += [] if fp8 is None else list(fp8[1:])
   return inputs, (lse_slot if return_lse else None), programs
 
 

@@ -26,7 +26,7 @@ BARRIER_BYTES = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
-    "q", "k", "v", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
+    "q", "k", "v", "p", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
     "v_consumed", "unit_ready", "unit_used"])
 @dataclasses.dataclass(frozen=True)
 class Scratch:
@@ -37,7 +37,11 @@ class Scratch:
   Attributes:
     q: per 64-column chunk of the logit parts, [COMPUTE_WGS, block_q, 64] (untiled, tiled).
     k: per chunk, [lanes * num_stages, block_kv, 64] (untiled, tiled).
-    v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled).
+    v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled); FP8:
+      of V transposed, [lanes * num_stages, 64, block_kv] (FP8 matrix products read both
+      operands K-major: the keys, P.V's contraction, along a row).
+    p: FP8 only (else None): P quantized, [COMPUTE_WGS, block_q, block_kv], P.V's A
+      operand from shared memory.
     o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
     lse: [COMPUTE_WGS, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
@@ -48,6 +52,7 @@ class Scratch:
   q: list
   k: list
   v: list
+  p: object
   o: list
   lse: object
   units: object
@@ -68,29 +73,39 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
-  tiling = plgpu.TilingTransform((8, 64))
-  swizzle = plgpu.SwizzleTransform(128)
+  fp8 = jnp.dtype(dtype).itemsize == 1
+
+  def swizzle(shape):
+    return plgpu.SwizzleTransform(shape[-1] * jnp.dtype(dtype).itemsize)  # a row's bytes
+
+  def tiled(shape):
+    return plgpu.SMEM(shape, dtype,
+                      transforms=(plgpu.TilingTransform((8, shape[-1])), swizzle(shape)))
 
   def chunk_buffer(shape):
-    # Two views of one 64-column buffer: untiled, which TMA fills from any row of an
-    # array of any row count, and (8, 64)-tiled, which the matrix products read. At 64
-    # columns (128 swizzled bytes a row) both are the same bytes.
-    return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(swizzle,)),
-                          plgpu.SMEM(shape, dtype, transforms=(tiling, swizzle)))
+    # Two views of one buffer of rows of 64 (FP8 V^T: block_kv) elements: untiled, which
+    # TMA fills from any row of an array of any row count, and tiled by 8 rows, which the
+    # matrix products read. With the swizzle a row's bytes (128 for 64 bf16 columns) both
+    # are the same bytes.
+    return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(swizzle(shape),)),
+                          tiled(shape))
 
   barrier = plgpu.Barrier
+  v_shape = (slots, L.CHUNK, block_kv) if fp8 else (slots, block_kv, L.CHUNK)
   return Scratch(
       q=[chunk_buffer((L.COMPUTE_WGS, block_q, L.CHUNK)) for _ in range(chunks)],
       k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
-      v=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(v_chunks)],
+      v=[chunk_buffer(v_shape) for _ in range(v_chunks)],
+      p=tiled((L.COMPUTE_WGS, block_q, block_kv)) if fp8 else None,
       o=[plgpu.SMEM((L.COMPUTE_WGS, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
       lse=plgpu.SMEM((L.COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
-      # Contiguous V: two copies per chunk (``primitives.load_rows``); paged: one per chunk
-      # and page.
-      v_loaded=barrier(num_arrivals=(pages if paged else 2) * v_chunks, num_barriers=slots),
+      # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T one;
+      # paged: one per chunk and page.
+      v_loaded=barrier(num_arrivals=(pages if paged else 1 if fp8 else 2) * v_chunks,
+                       num_barriers=slots),
       k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       v_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       unit_ready=barrier(num_arrivals=1, num_barriers=2 * lanes) if dynamic else None,

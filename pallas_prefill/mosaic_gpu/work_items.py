@@ -185,7 +185,7 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret):
+            top_left, interpret, kv_align):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
@@ -246,7 +246,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     row = jnp.where(live, i_q_first + (i - i_first) * rows, 0)
     cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                             block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
-                            top_left=top_left)
+                            top_left=top_left, kv_align=kv_align)
     if page_tiles:
       cols.append(jnp.where(live, seq, 0))
     lo, hi = cols[L.T_LO], cols[L.T_HI]
@@ -316,7 +316,7 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          top_left=False, interpret=False):
+          top_left=False, interpret=False, kv_align=8):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -340,7 +340,8 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       block_q=block_q, block_kv=block_kv, num_items=num_items, num_heads=num_heads,
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
-      page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret)
+      page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
+      kv_align=kv_align)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

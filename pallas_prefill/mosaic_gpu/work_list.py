@@ -33,17 +33,20 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
-                 page_tiles, top_left=False):
+                 page_tiles, top_left=False, kv_align=8):
   """The per-item table columns up to ``layout.META_COLS`` (a list of int32 arrays, one value
   per item) from each item's sequence (its query start and length, its K/V start and
   length: zeros for items that run nothing) and first row (absolute, a multiple of 8);
-  ``top_left``: queries from position 0 (else kv_len - q_len).
+  ``top_left``: queries from position 0 (else kv_len - q_len); ``kv_align``: KV tiles
+  start at multiples of it (8; FP8's V^T tiles 16, TMA's 16-byte alignment of a row's
+  first key).
   Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
   ``work_items.build`` (a Mosaic GPU kernel) share it."""
-  kv_first = L.floor8(i_kv_start)
+  floor = lambda x: lax.div(x, kv_align) * kv_align  # noqa: E731  (x >= 0)
+  kv_first = floor(i_kv_start)
   # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
   # negative start is no out-of-bounds zero fill but a wild row.
-  kv_last = jnp.maximum(L.floor8(i_kv_start + i_kv_len + 7) - block_kv, 0)
+  kv_last = jnp.maximum(floor(i_kv_start + i_kv_len + kv_align - 1) - block_kv, 0)
   if page_tiles:
     kv_last = jnp.full_like(kv_last, L.NO_SHIFT * 8)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
@@ -79,7 +82,7 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
 
 
 def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
-              paged_cache=None, page_tiles=False, top_left=False):
+              paged_cache=None, page_tiles=False, top_left=False, kv_align=8):
   """The per-item table [num_items, L.META_COLS] int32; each output row's column in the
   per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
   number of items that store rows (the kernel runs those: they come first, heaviest
@@ -140,7 +143,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
   cols = item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                       block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
-                      top_left=top_left)
+                      top_left=top_left, kv_align=kv_align)
   lo, hi = cols[L.T_LO], cols[L.T_HI]
   if page_tiles:
     cols.append(jnp.where(live, seq, 0))
