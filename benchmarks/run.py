@@ -9,7 +9,14 @@ system (benchmarks/systems.py) that can serve it is timed (median per call of 5 
 20 calls after warm-up, rotating over 3 input sets; torch systems with
 triton.testing.do_bench's median), its output compared with the float32 reference on the
 same inputs, and a line printed as it goes. A figure counts only when its relative error
-is under 2e-2. Useful TFLOP/s count the real tokens' FLOPs only (anchors-h200.md).
+is under 2e-2 (``TOLERANCE``). Useful TFLOP/s count the real tokens' FLOPs only
+(anchors-h200.md).
+FP8 (issue 24) needs no run-wide dtype: the systems named ``*_fp8`` (``pallas_prefill_fp8``,
+``cudnn_fp8``, ``cudnn_fp8_kv_repeated``) quantize each workload's bf16 inputs to
+float8_e4m3fn themselves, so one run compares them with the bf16 rows on the same data:
+``--systems pallas_prefill_default pallas_prefill_fp8 cudnn_fp8 cudnn_padded``. Their
+error is against the float32 reference of the dequantized inputs and counts under
+``systems.FP8_TOLERANCE`` (5e-2; the row's ``tolerance``); their FLOPs are the bf16 rows'.
 With ``--rounds N`` the systems of a workload are timed N times in turns (A B C A B C ...),
 each after ``--rest`` seconds with the GPU idle, and a row's time is the median of its
 rounds (``ms_rounds`` lists them): the H200's power state moves a single measurement by
@@ -24,8 +31,8 @@ Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, wh
 matplotlib is importable, DIR/results.png. results.md ends with ratios of time per
 workload (``comparisons``): ours on padded arrays (``pallas_prefill_padded``, through
 ``dot_product_attention``) over our packed call (``pallas_prefill_default``), our
-soft-capped call (``pallas_prefill_softcap``) over the uncapped one, and the fastest padded
-anchor over ours padded.
+soft-capped call (``pallas_prefill_softcap``) over the uncapped one, ours in FP8 over ours
+in bf16, cuDNN's FP8 over ours in FP8, and the fastest padded anchor over ours padded.
 """
 
 from __future__ import annotations
@@ -122,22 +129,30 @@ def run_case(kind, workload, system_names, rows, progress, rounds=1, rest=0.0,
       continue
     if rounds == 1:  # reported now, nothing held: the next system's inputs take the memory
       tag, name, prepared, _, err, secs = timed.pop()
-      report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend)
+      report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend,
+                 prepared.tolerance)
   for _ in range(rounds - 1):
     for tag, name, prepared, bench, err, secs in timed:
       time.sleep(rest)
       secs.append(bench(prepared.fn, prepared.arg_sets))
   for tag, name, prepared, _, err, secs in timed:
-    report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend)
+    report_row(rows, kind, workload, flops, tag, name, err, secs, prepared.backend,
+               prepared.tolerance)
 
 
-def report_row(rows, kind, workload, flops, tag, name, err, secs, backend=None):
+def report_row(rows, kind, workload, flops, tag, name, err, secs, backend=None,
+               tolerance=None):
   """Appends the row of one system's timings (seconds per round) and prints it; backend:
-  the one the system's call ran, where it picks one (else ``systems.BACKENDS``')."""
+  the one the system's call ran, where it picks one (else ``systems.BACKENDS``');
+  tolerance: the system's bound on the relative error where it is not ``TOLERANCE`` (the
+  FP8 systems'), recorded in the row."""
   sec = statistics.median(secs)
   row = dict(kernel=kind, workload=workload.name, system=name,
              backend=backend or sy.BACKENDS.get(name, ""), ms=sec * 1e3,
-             tflops=flops / sec / 1e12, relerr=err, correct=bool(err < TOLERANCE))
+             tflops=flops / sec / 1e12, relerr=err,
+             correct=bool(err < (tolerance or TOLERANCE)))
+  if tolerance is not None:
+    row["tolerance"] = tolerance
   if len(secs) > 1:
     row["ms_rounds"] = [s * 1e3 for s in secs]
   rows.append(row)
@@ -152,6 +167,9 @@ def comparisons(rows) -> list[dict]:
   ``padded_vs_packed``: pallas_prefill_padded's ms over pallas_prefill_default's (ours on
   padded arrays against our packed call; under 1.05 is "loses under 5 %");
   ``softcap_vs_nocap``: pallas_prefill_softcap's over pallas_prefill_default's;
+  ``fp8_vs_bf16``: pallas_prefill_fp8's over pallas_prefill_default's (under 1: FP8
+  faster); ``cudnn_fp8_vs_fp8``: cudnn_fp8's over pallas_prefill_fp8's (above 1: ours
+  faster);
   ``anchor_vs_padded``: (system, ratio) of the fastest padded anchor
   (``systems.PADDED_ANCHORS``), its ms over pallas_prefill_padded's (our speedup on the
   same padded arrays)."""
@@ -168,9 +186,10 @@ def comparisons(rows) -> list[dict]:
     c = dict(kernel=kernel, workload=workload,
              padded_vs_packed=ratio("pallas_prefill_padded", "pallas_prefill_default"),
              softcap_vs_nocap=ratio("pallas_prefill_softcap", "pallas_prefill_default"),
+             fp8_vs_bf16=ratio("pallas_prefill_fp8", "pallas_prefill_default"),
+             cudnn_fp8_vs_fp8=ratio("cudnn_fp8", "pallas_prefill_fp8"),
              anchor_vs_padded=best)
-    if any(c[k] is not None for k in ("padded_vs_packed", "softcap_vs_nocap",
-                                      "anchor_vs_padded")):
+    if any(v is not None for k, v in c.items() if k not in ("kernel", "workload")):
       out.append(c)
   return out
 
@@ -187,15 +206,19 @@ def markdown(rows) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines += ["", "Ratios of time (`run.comparisons`, correct rows only): ours padded "
               "(pallas_prefill_padded) over ours packed (pallas_prefill_default) and soft cap "
-              "(pallas_prefill_softcap) over none (under 1.05: within 5 %), and the fastest "
-              "padded anchor over ours padded (above 1: ours faster on the same arrays).", "",
-              "| kernel | workload | padded / packed | soft cap / no cap | "
-              "fastest padded anchor / ours padded |", "|---|---|---|---|---|"]
+              "(pallas_prefill_softcap) over none (under 1.05: within 5 %), ours in FP8 "
+              "(pallas_prefill_fp8) over ours in bf16 (under 1: FP8 faster), cuDNN's FP8 "
+              "(cudnn_fp8) over ours in FP8, and the fastest padded anchor over ours padded "
+              "(above 1: ours faster on the same arrays).", "",
+              "| kernel | workload | padded / packed | soft cap / no cap | FP8 / bf16 | "
+              "cuDNN FP8 / ours FP8 | fastest padded anchor / ours padded |",
+              "|---|---|---|---|---|---|---|"]
     for c in ratios:
       best = c["anchor_vs_padded"]
       best = "-" if best is None else f"{best[1]:.2f}x ({best[0]})"
       lines.append(f"| {c['kernel']} | {c['workload']} | {fmt(c['padded_vs_packed'])} | "
-                   f"{fmt(c['softcap_vs_nocap'])} | {best} |")
+                   f"{fmt(c['softcap_vs_nocap'])} | {fmt(c['fp8_vs_bf16'])} | "
+                   f"{fmt(c['cudnn_fp8_vs_fp8'])} | {best} |")
   return "\n".join(lines)
 
 

@@ -7,6 +7,13 @@ tokamax missing, a mask or a cached prefix it does not support) raises ``Unavail
 ``prepare`` hands the Mosaic GPU system the options of an A/B run (``--mosaic-options``,
 ``parse_mosaic_options``), which become the ``MosaicConfig`` it passes.
 
+FP8 (issue 24) is a property of a system, not of the run: the systems named ``*_fp8``
+quantize the workload's bf16 inputs themselves to float8_e4m3fn (``quantize_problem``:
+absmax scales, per K/V head for ours, per tensor for cuDNN), so that one run times
+``pallas_prefill_default`` beside ``pallas_prefill_fp8`` and ``cudnn_fp8`` on the same
+data. Their outputs are checked against the float32 reference of the dequantized inputs
+(what the FP8 values mean), within ``FP8_TOLERANCE``; the useful FLOPs are the bf16 rows'.
+
 Every system here ran on the H200 on 2026-11-29 (benchmarks/results/h200.json), except
 pallas_prefill_padded and pallas_prefill_softcap (added later); tokamax needs its wheels
 carried there (BUILD_NOTES.md). tokamax's two systems are its padded anchors: its
@@ -30,6 +37,7 @@ import numpy as np
 import pallas_prefill as pp
 from benchmarks import workloads as wl
 from pallas_prefill import config as config_lib
+from pallas_prefill import fp8
 from pallas_prefill import masks
 
 MHA_SHAPE = dict(heads=32, kv_heads=8, qk=128, v=128)  # GQA 32/8, head dim 128
@@ -125,8 +133,11 @@ class Prepared:
   timer: str = "jax"  # "jax" or "torch"
   backend: str | None = None  # the pallas_prefill backend the call ran, where it picks one
   # () -> the float32 reference the output is checked against, where it is not the
-  # workload's own (``reference(problem)``): the soft-capped system's.
+  # workload's own (``reference(problem)``): the soft-capped system's, the FP8 systems'.
   reference: Callable[[], Any] | None = None
+  # The relative error under which the output counts as correct; None: the harness's
+  # (``run.TOLERANCE``). The FP8 systems': ``FP8_TOLERANCE``.
+  tolerance: float | None = None
 
   def wait(self, out=None):
     """Waits for ``out`` (JAX: its arrays) or for the device (torch: its stream)."""
@@ -191,8 +202,11 @@ def mosaic_config(options, problem: Problem) -> pp.MosaicConfig | None:
   return dataclasses.replace(base, **config_fields, options=mosaic_options)
 
 
-def _pallas(problems, *, paged, backend="triton", config=None, logits_soft_cap=None):
-  """Our entry point on the problems; backend None: the call without the argument."""
+def _pallas(problems, *, paged, backend="triton", config=None, logits_soft_cap=None,
+            fp8_scales=None):
+  """Our entry point on the problems; backend None: the call without the argument.
+  ``fp8_scales``: per problem, the FP8 inputs' {q_scale, k_scale, v_scale}, passed as a
+  fifth argument (``quantize_problem``)."""
   p0 = problems[0]
   kernel = pp.mha_prefill if p0.kind == "mha" else pp.mla_prefill
   if paged and p0.paged is None:
@@ -204,12 +218,14 @@ def _pallas(problems, *, paged, backend="triton", config=None, logits_soft_cap=N
     chosen["logits_soft_cap"] = logits_soft_cap
 
   @jax.jit
-  def fn(q, kv, q_off, kv_off):
+  def fn(q, kv, q_off, kv_off, scales=None):
     return kernel(q, *kv, q_off, kv_input_row_offsets=kv_off, max_prompt_len=w.max_len,
-                  mask=w.mask, config=config, **chosen)
+                  mask=w.mask, config=config, **chosen, **(scales or {}))
 
   args = [(p.q, p.paged if paged else p.kv, p.q_offsets, None if paged else p.kv_offsets)
           for p in problems]
+  if fp8_scales is not None:
+    args = [a + (scales,) for a, scales in zip(args, fp8_scales)]
   return Prepared(fn, args, lambda out: out)
 
 
@@ -274,6 +290,108 @@ def pallas_prefill_contiguous(problems):
   if problems[0].paged is None:
     raise Unavailable("only for paged workloads")
   return _pallas(problems, paged=False)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 inputs (issue 24): the workload's data quantized, for the ``*_fp8`` systems
+
+FP8_DTYPE = jnp.float8_e4m3fn
+# FP8 rows count as correct under this relative error against the float32 reference of the
+# dequantized inputs (bf16 rows: ``run.TOLERANCE``): tests/test_fp8.py's bound. cuDNN's
+# FP8 output alone (3 mantissa bits) costs about 3e-2 (anchors-h200.md: 3.4e-2).
+FP8_TOLERANCE = 5e-2
+
+
+def fp8_scale(x, groups):
+  """The absmax dequantization scale of x [rows, heads, depth], one per group of
+  heads // groups consecutive heads (``pp.fp8.quantize``'s rule): float32 [groups], a
+  scalar when groups is 1."""
+  top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
+  scale = jnp.where(top > 0, top / fp8.FP8_MAX[jnp.dtype(FP8_DTYPE)], 1.0)
+  return scale.astype(jnp.float32).reshape(() if groups == 1 else (groups,))
+
+
+def _per_head(scale, heads):
+  """A scalar or per-group scale as [1, heads, 1], each group's for its heads."""
+  scale = jnp.atleast_1d(scale)
+  return jnp.repeat(scale, heads // scale.shape[0])[None, :, None]
+
+
+def to_fp8(x, scale):
+  """x [rows, heads, depth] / scale in FP8_DTYPE; scale a scalar or one per group of
+  consecutive heads."""
+  return (x.astype(jnp.float32) / _per_head(scale, x.shape[1])).astype(FP8_DTYPE)
+
+
+def from_fp8(x8, scale):
+  """The float32 values of x8 [rows, heads, depth] quantized with ``scale``."""
+  return x8.astype(jnp.float32) * _per_head(scale, x8.shape[1])
+
+
+@dataclasses.dataclass
+class Fp8Problem:
+  """A problem's batch in FP8_DTYPE: ``problem`` holds the FP8 q and K/V (packed, and
+  paged where the workload is), ``scales`` their {q_scale, k_scale, v_scale}, float32
+  scalars or [num_kv_heads], as ``mha_prefill`` takes them."""
+
+  problem: Problem
+  scales: dict
+
+  def dequantized(self) -> Problem:
+    """The batch of the FP8 values times their scales, float32, packed: the inputs of the
+    reference FP8 outputs are checked against."""
+    p, s = self.problem, self.scales
+    kv_scales = (s["k_scale"],) * (len(p.kv) - 1) + (s["v_scale"],)
+    return dataclasses.replace(p, q=from_fp8(p.q, s["q_scale"]), paged=None,
+                               kv=tuple(from_fp8(x, c) for x, c in zip(p.kv, kv_scales)))
+
+
+def quantize_problem(problem: Problem, per_tensor=False) -> Fp8Problem:
+  """``problem`` quantized with absmax scales: K and V one per K/V head, Q one per K/V
+  head's group of query heads (a query head takes its K/V head's scale); with
+  ``per_tensor``, one scale each (what cuDNN takes). MLA's k_nope and k_rope share one
+  per-tensor k_scale: their logits add before the one factor q_scale * k_scale, and the
+  single rope head serves every K/V head."""
+  groups = 1 if per_tensor else problem.kv[0].shape[1]
+  q_scale = fp8_scale(problem.q, groups)
+  if problem.kind == "mha":
+    k_scale = fp8_scale(problem.kv[0], groups)
+  else:
+    k_scale = jnp.maximum(fp8_scale(problem.kv[0], 1), fp8_scale(problem.kv[1], 1))
+  v_scale = fp8_scale(problem.kv[-1], groups)
+  kv_scales = (k_scale,) * (len(problem.kv) - 1) + (v_scale,)
+  paged = None
+  if problem.paged is not None:
+    paged = tuple(dataclasses.replace(
+        x, pages=to_fp8(x.pages.reshape(-1, *x.shape[2:]), c).reshape(x.shape))
+                  for x, c in zip(problem.paged, kv_scales))
+  quantized = dataclasses.replace(
+      problem, q=to_fp8(problem.q, q_scale), paged=paged,
+      kv=tuple(to_fp8(x, c) for x, c in zip(problem.kv, kv_scales)))
+  return Fp8Problem(quantized, dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale))
+
+
+def pallas_prefill_fp8(problems):
+  """Ours as pallas_prefill_default calls it (packed, or on the paged cache; no backend
+  argument, ``"auto"``) on the batch in float8_e4m3fn with per-K/V-head scales
+  (``quantize_problem``), bf16 output: what FP8 inputs gain over pallas_prefill_default.
+  Checked against the float32 reference of the dequantized inputs, within FP8_TOLERANCE.
+  MLA passes one k_scale for k_nope and k_rope (per tensor: the one rope head serves
+  every K/V head); where ``mla_prefill`` refuses FP8 (TypeError, ValueError,
+  NotImplementedError) the row is not run, with the reason."""
+  quantized = [quantize_problem(p) for p in problems]
+  p0 = quantized[0].problem
+  prepared = _pallas([f.problem for f in quantized], paged=p0.paged is not None,
+                     backend=None, fp8_scales=[f.scales for f in quantized])
+  try:
+    ran = backend_ran(prepared.fn, *prepared.arg_sets[0])
+  except (TypeError, ValueError, NotImplementedError) as e:
+    if p0.kind == "mha":
+      raise
+    raise Unavailable(f"mla_prefill refuses FP8 inputs: {type(e).__name__}: "
+                      f"{str(e)[:200]}") from None
+  return dataclasses.replace(prepared, backend=f"auto: {ran}", tolerance=FP8_TOLERANCE,
+                             reference=lambda: reference(quantized[0].dequantized()))
 
 
 # --------------------------------------------------------------------------------------
@@ -412,6 +530,104 @@ def cudnn_packed(problems):
         qkv_layout="BTNH", sliding_window_length=window)[0]
 
   return Prepared(fn, [(p.q, *p.kv) for p in problems], lambda out: out)
+
+
+# cuDNN's FP8 attention quantizes the probabilities P (in [0, 1]) by this factor before
+# P.V: [0, 256] sits inside e4m3's 448 (the setting of the 2026-12-01 run, anchors-h200.md).
+CUDNN_FP8_SCALE_S = 256.0
+
+
+def cudnn_fp8_params(scales) -> dict:
+  """The ``fp8_params`` of JAX's private cuDNN FP8 attention for per-tensor ``scales``
+  ({q_scale, k_scale, v_scale} scalars): every key of ``fp8_params_keys`` as a
+  [1, 1, 1, 1] float32 (it checks them all; the forward reads descale_q/k/v, descale_s,
+  scale_s and scale_o, the rest are the backward's), descale_x = x's dequantization scale,
+  scale_o = 1 / v_scale (an output row averages V's rows: |out| <= max |v|, no overflow)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  one = lambda x: jnp.reshape(jnp.asarray(x, jnp.float32), (1, 1, 1, 1))  # noqa: E731
+  params = {key: one(1.0) for key in fa.fp8_params_keys}
+  params.update(descale_q=one(scales["q_scale"]), descale_k=one(scales["k_scale"]),
+                descale_v=one(scales["v_scale"]), descale_s=one(1 / CUDNN_FP8_SCALE_S),
+                scale_s=one(CUDNN_FP8_SCALE_S), scale_o=one(1 / scales["v_scale"]))
+  return params
+
+
+def cudnn_fp8_attention(q, k, v, fp8_params, *, causal):
+  """cuDNN's FP8 flash attention forward, ``fused_attention_stablehlo.
+  dot_product_attention(..., use_fp8=True)`` (jax 0.11.2 and 0.12): q [batch, len,
+  heads, d], k and v [batch, len, kv_heads, d], float8_e4m3fn, dense (it takes no lengths
+  or offsets), causal or no mask; returns the output [batch, len, heads, d] in q's FP8
+  dtype, scaled by fp8_params' scale_o (its amax outputs dropped)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  out, _, _ = fa.dot_product_attention(
+      q, k, v, fp8_params=fp8_params, scale=q.shape[-1] ** -0.5,
+      mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, qkv_layout="BTNH",
+      use_fp8=True)
+  return out
+
+
+def cudnn_fp8_inputs(quantized: Fp8Problem, repeat_kv=False) -> tuple:
+  """(q, k, v, fp8_params) of ``cudnn_fp8_attention`` for a per-tensor quantized batch of
+  equal-length self-attention prompts: the packed rows as [batch, len, heads, d]; with
+  ``repeat_kv``, K/V repeated to every query head."""
+  p = quantized.problem
+  batch, length = len(p.workload.q_lens), p.workload.q_lens[0]
+  q, k, v = (x.reshape(batch, length, *x.shape[1:]) for x in (p.q, *p.kv))
+  if repeat_kv:
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+  return q, k, v, cudnn_fp8_params(quantized.scales)
+
+
+def cudnn_fp8(problems):
+  """cuDNN's FP8 attention (``cudnn_fp8_attention``) on the batch as a dense
+  [batch, len, heads, 128] float8_e4m3fn array with per-tensor absmax scales (the only
+  ones it takes), GQA's K/V heads as they are (its layout check allows fewer K/V heads
+  than query heads; 32/8 ran correct on the H200, h200-74ff108-fp8.json). Its output is FP8 too (half our bf16 output's bytes), dequantized
+  after the timed call; checked against the float32 reference of the dequantized inputs,
+  within FP8_TOLERANCE. Equal-length self-attention batches only (``equal4x4096``),
+  causal or no mask, MHA (``_cudnn_fp8_case`` says why others are not applicable)."""
+  return _cudnn_fp8(problems, repeat_kv=False)
+
+
+def cudnn_fp8_kv_repeated(problems):
+  """cudnn_fp8 with K/V repeated to every query head before the timed call (32/32 heads):
+  the fallback should cuDNN refuse or mis-serve GQA in FP8, and what GQA saves it."""
+  return _cudnn_fp8(problems, repeat_kv=True)
+
+
+def _cudnn_fp8_case(p0):
+  """Raises Unavailable where cuDNN's FP8 attention cannot express the workload (checked
+  before the GPU, so that the CPU tests see the reason)."""
+  w = p0.workload
+  if p0.kind != "mha":
+    raise Unavailable("MHA only: its output takes Q's shape (V as deep as Q), and cuDNN's "
+                      "FP8 fails at MLA's 192/128 depths (anchors-h200.md)")
+  if w.kv_lens is not None or p0.paged is not None:
+    raise Unavailable("self-attention only: FP8 takes no cached prefix or paged cache")
+  if len(set(w.q_lens)) != 1:
+    raise Unavailable("equal lengths only: FP8 takes no sequence lengths or offsets "
+                      "(a dense batch)")
+  if not isinstance(w.mask, (masks.CausalMask, masks.NullMask)):
+    raise Unavailable(f"causal or no mask only, not {w.mask!r}")
+  if jax.default_backend() != "gpu":
+    raise Unavailable("needs a GPU")
+
+
+def _cudnn_fp8(problems, repeat_kv):
+  _cudnn_fp8_case(problems[0])
+  quantized = [quantize_problem(p, per_tensor=True) for p in problems]
+  causal = isinstance(problems[0].workload.mask, masks.CausalMask)
+  fn = jax.jit(lambda q, k, v, params: cudnn_fp8_attention(q, k, v, params, causal=causal))
+  v_scale = quantized[0].scales["v_scale"]
+
+  def to_packed(out):  # the first input set's output, its scale_o undone
+    return from_fp8(out.reshape(-1, *out.shape[2:]), v_scale)
+
+  return Prepared(fn, [cudnn_fp8_inputs(f, repeat_kv) for f in quantized], to_packed,
+                  tolerance=FP8_TOLERANCE,
+                  reference=lambda: reference(quantized[0].dequantized()))
 
 
 def jax_pallas_mha(problems):
@@ -586,8 +802,11 @@ SYSTEMS = {
     "pallas_prefill_contiguous": pallas_prefill_contiguous,
     "pallas_prefill_padded": pallas_prefill_padded,
     "pallas_prefill_softcap": pallas_prefill_softcap,
+    "pallas_prefill_fp8": pallas_prefill_fp8,
     "cudnn_padded": cudnn_padded,
     "cudnn_packed": cudnn_packed,
+    "cudnn_fp8": cudnn_fp8,
+    "cudnn_fp8_kv_repeated": cudnn_fp8_kv_repeated,
     "jax_pallas_mha": jax_pallas_mha,
     "xla_padded": xla_padded,
     "tokamax_mosaic": tokamax_mosaic,

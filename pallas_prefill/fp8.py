@@ -1,5 +1,7 @@
 """FP8 inputs (issue 24, work in progress): e4m3 / e5m2 Q, K, V with dequantization
-scales. The real values are the FP8 values times their scales; a scale is a float32
+scales, for ``mha_prefill``, ``mla_prefill`` (one ``q_scale`` for q's nope and rope
+columns, one ``k_scale`` for k_nope and k_rope), ``dot_product_attention`` and paged
+caches. The real values are the FP8 values times their scales; a scale is a float32
 scalar, ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` (FlashAttention-3's descale
 shape; a query head uses its K/V head's). Q may instead be bf16/f16 over FP8 K/V (an FP8
 KV cache); it then needs no scale.
@@ -41,28 +43,41 @@ def check_scale(name, scale, batch, num_kv_heads):
   return jnp.broadcast_to(scale, (batch, num_kv_heads))
 
 
-def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads):
+def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads,
+           names=("q", "k", "v")):
   """None for inputs without FP8, else (qk_scale, v_scale), each [batch, num_kv_heads]
-  float32. Raises for FP8 mixed with wider K/V, missing scales, and scales where no
-  input is FP8."""
+  float32. Raises for FP8 mixed with wider K/V, a float32 q over FP8 K/V, missing scales,
+  and scales where no input is FP8. ``names`` are the entry point's for q, k and v."""
+  q_name, k_name, v_name = names
   fp8 = {name: is_fp8(x.dtype) for name, x in (("q", q), ("k", k), ("v", v))}
   if not fp8["k"] and not fp8["v"]:
     if fp8["q"]:
-      raise TypeError(f"FP8 q needs FP8 k and v, got k {k.dtype}, v {v.dtype}")
+      raise TypeError(f"FP8 {q_name} needs FP8 {k_name} and {v_name}, got {k_name} "
+                      f"{k.dtype}, {v_name} {v.dtype}")
     given = [n for n, s in (("q_scale", q_scale), ("k_scale", k_scale),
                             ("v_scale", v_scale)) if s is not None]
     if given:
-      raise ValueError(f"{', '.join(given)} apply to FP8 inputs only; q, k, v are "
-                       f"{q.dtype}")
+      raise ValueError(f"{', '.join(given)} apply to FP8 inputs only; {q_name}, {k_name}, "
+                       f"{v_name} are {q.dtype}")
     return None
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
-    raise TypeError(f"k and v must share an FP8 dtype, got {k.dtype} and {v.dtype}")
+    raise TypeError(f"{k_name} and {v_name} must share an FP8 dtype, got {k.dtype} and "
+                    f"{v.dtype}")
   qk = check_scale("k_scale", k_scale, batch, num_kv_heads)
   if fp8["q"]:
     qk = qk * check_scale("q_scale", q_scale, batch, num_kv_heads)
+  elif jnp.dtype(q.dtype).itemsize != 2:
+    raise TypeError(f"{q_name} over FP8 {k_name}/{v_name} must be FP8, bfloat16 or "
+                    f"float16, got {q.dtype}")
   elif q_scale is not None:
-    raise ValueError(f"q_scale applies to an FP8 q; q is {q.dtype} (used as given)")
+    raise ValueError(f"q_scale applies to an FP8 {q_name}; {q_name} is {q.dtype} (used as "
+                     "given)")
   return qk, check_scale("v_scale", v_scale, batch, num_kv_heads)
+
+
+def output_dtype_for(q_dtype):
+  """The default output dtype of a call with FP8 inputs: bf16 for an FP8 q, else q's."""
+  return jnp.dtype(jnp.bfloat16) if is_fp8(q_dtype) else jnp.dtype(q_dtype)
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn):

@@ -48,13 +48,14 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     logits_soft_cap: None, or a static float cap > 0: the scaled logits become
       ``cap * tanh(logits / cap)`` before the mask (Gemma 2, Grok); the LSE is of the
       capped logits.
-    q_scale, k_scale, v_scale: FP8 inputs' dequantization scales (work in progress,
-      issue 24; ``pallas_prefill.fp8``): with float8_e4m3fn / float8_e5m2 k and v (and q,
+    q_scale, k_scale, v_scale: FP8 inputs' dequantization scales (issue 24;
+      ``pallas_prefill.fp8``): with float8_e4m3fn / float8_e5m2 k and v (and q,
       or a bf16/f16 q used as given, which takes no q_scale), float32 scalars,
       [num_kv_heads] or [batch, num_kv_heads]; the real values are the FP8 values times
       their scales (a query head takes its K/V head's). The output defaults to bfloat16
-      for an FP8 q. Triton backend only for now (``auto`` picks it), the tiles widened to
-      bf16 in the kernel.
+      for an FP8 q. On Hopper ``auto`` runs e4m3 Q, K and V (contiguous K/V) on Mosaic
+      GPU as FP8 matrix products; e5m2, a bf16/f16 q and FP8 pages on Triton, the tiles
+      widened to 16 bits in the kernel.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
       denominator gains exp(sink - max); the sink contributes no value.
     output_dtype: dtype of the output; default q.dtype.

@@ -23,7 +23,8 @@ from pallas_prefill import validation as val
 def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                 kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                 output_dtype=None, return_lse=False, config=None, interpret=None,
-                backend="auto", logits_soft_cap=None):
+                backend="auto", logits_soft_cap=None, q_scale=None, k_scale=None,
+                v_scale=None):
   """Multi-head latent attention prefill over a ragged (packed) batch.
 
   logits = (q_nope . k_nope + q_rope . k_rope) * scale, where q_nope and q_rope are the
@@ -35,10 +36,11 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
 
   Args:
     q: [total_q, num_heads, d_nope + d_rope], bfloat16, float16 or float32; nope first.
+      With FP8 K/V: float8_e4m3fn / float8_e5m2 (with q_scale), or bf16/f16 used as given.
     k_nope: [total_kv, num_kv_heads, d_nope], same dtype; num_heads % num_kv_heads == 0.
-    k_rope: [total_kv, 1 or num_kv_heads, d_rope], same dtype; 1 head is shared by every
-      query head (DeepSeek).
-    v: [total_kv, num_kv_heads, d_v], same dtype.
+    k_rope: [total_kv, 1 or num_kv_heads, d_rope], same dtype as k_nope; 1 head is shared
+      by every query head (DeepSeek).
+    v: [total_kv, num_kv_heads, d_v], same dtype as k_nope.
       k_nope, k_rope and v may instead all be ``PagedKV`` over one block table and cache
       lengths (pages [num_pages, page_size, heads, depth]), as in ``mha_prefill``.
     input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
@@ -50,7 +52,18 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       YaRN-corrected scale here.
     logits_soft_cap: None, or a static float cap > 0: logits become
       ``cap * tanh(logits / cap)`` after the scale, before the mask, as in ``mha_prefill``.
-    output_dtype: default q.dtype.
+    q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
+      ``mha_prefill`` (work in progress, issue 24; the Triton kernel serves what Mosaic
+      GPU refuses, and ``auto`` picks it): each a scalar, [num_kv_heads] or [batch,
+      num_kv_heads], with float8_e4m3fn / float8_e5m2 k_nope, k_rope and v (and q, or a
+      bf16/f16 q used as given, which takes no q_scale). One q_scale covers q's nope and
+      rope columns and one k_scale covers k_nope and k_rope, so query head h of K/V head
+      g has the logits (q_nope.k_nope + q_rope.k_rope) * q_scale[g] * k_scale[g] * scale:
+      one factor, which the kernel folds into the logit scale. A shared (1-head) k_rope
+      is read by each K/V head g with k_scale[g]: with a per-head k_scale, quantize it
+      for those scales (a scalar k_scale keeps one real k_rope for every head). The
+      output defaults to bfloat16 for an FP8 q.
+    output_dtype: default q.dtype (bfloat16 for an FP8 q).
     return_lse: also return the float32 natural-log log-sum-exp [total_q, num_heads].
     config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
       tuned default (DeepSeek-V3's 128 heads, 128 + 64, d_v 128 is the tuned case).
@@ -65,15 +78,16 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
 
   Raises:
     TypeError, ValueError: as ``mha_prefill``, plus q's depth not d_nope + d_rope, k_rope
-      with neither 1 nor num_kv_heads heads, and K/V arrays whose rows differ.
+      with neither 1 nor num_kv_heads heads, and K/V arrays whose rows differ; for FP8,
+      mixed K/V dtypes, an FP8 q over wider K/V, and missing, misshapen or non-float32
+      scales (or scales without FP8 inputs).
+    NotImplementedError: backend="mosaic_gpu" (or a MosaicConfig) for a call that kernel
+      cannot serve (FP8 inputs included, as ``unsupported_reason`` says).
   """
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
                  interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
-  if any(fp8.is_fp8(x.dtype) for x in (q, k_nope, k_rope, v)):
-    raise TypeError("mla_prefill takes no FP8 inputs yet (issue 24: mha_prefill's "
-                    "q_scale/k_scale/v_scale come first)")
   num_heads, depth = q.shape[1:]
   num_kv_heads, d_nope = k_nope.shape[-2:]
   d_rope = k_rope.shape[-1]
@@ -91,8 +105,14 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     val.check_head_dim(name, d)
   val.validate_if_concrete(input_row_offsets, kv_input_row_offsets,
                            max_prompt_len=max_prompt_len, total_q=q.shape[0], k=k_nope)
+  # k_rope shares k_nope's dtype (check_call) and k_scale.
+  scales = fp8.scales(q, k_nope, v, q_scale, k_scale, v_scale,
+                      batch=input_row_offsets.shape[0] - 1, num_kv_heads=num_kv_heads,
+                      names=("q", "k_nope", "v"))
+  if scales is not None and output_dtype is None:
+    output_dtype = fp8.output_dtype_for(q.dtype)
   return jitted_mla_prefill(
-      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
+      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales,
       **dispatch.static_options(
           q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
@@ -101,22 +121,25 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
-                       **static):
+                       scales=None, **static):
   """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
   split over head shards where the operands are sharded (``partitioning``)."""
   hp = partitioning
   return hp.head_parallel(
-      mla_on_shards, (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets),
-      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None),
+      mla_on_shards,
+      (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales),
+      roles=(hp.Q_HEADS, hp.KV_HEADS, hp.KV_HEADS, hp.KV_HEADS, None, None,
+             hp.SCALE_HEADS),
       out_roles=(hp.Q_HEADS, hp.SINK_HEADS) if static["return_lse"] else (hp.Q_HEADS,),
       num_heads=q.shape[1], num_kv_heads=k_nope.shape[-2], **static)
 
 
-def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, *,
-                  max_prompt_len, mask, scale, output_dtype, return_lse, config, interpret,
-                  backend, logits_soft_cap):
+def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
+                  scales=None, *, max_prompt_len, mask, scale, output_dtype, return_lse,
+                  config, interpret, backend, logits_soft_cap):
   """One head shard's call (all heads when unsharded): the logits' terms, then
-  ``dispatch.ragged_attention``."""
+  ``dispatch.ragged_attention``. ``scales``: FP8's (qk_scale, v_scale) or None; qk_scale
+  multiplies both terms (one q_scale and one k_scale per K/V head)."""
   k_nope, k_rope, v, paged = logits.unpage(k_nope, k_rope, v)
   d_nope, d_rope = k_nope.shape[-1], k_rope.shape[-1]
   w_nope, w_rope = logits.padded_depth(d_nope), logits.padded_depth(d_rope)
@@ -134,4 +157,4 @@ def mla_on_shards(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
       parts=[logits.QkPart(0, 0, 0, 0, w_nope), rope_part],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret, backend=backend,
-      logits_soft_cap=logits_soft_cap)
+      logits_soft_cap=logits_soft_cap, scales=scales)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_prefill import dispatch
+from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import mha
 from pallas_prefill import validation as val
@@ -194,14 +195,17 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
                           local_window_size=None, scale=None, sink_weights=None,
                           logits_soft_cap=None, segment_ids=None, padding_segment_id=None,
                           max_segments=None, output_dtype=None, return_lse=False,
-                          backend=None, interpret=None, config=None):
+                          backend=None, interpret=None, config=None, q_scale=None,
+                          k_scale=None, v_scale=None):
   """Attention over a padded batch, with ``jax.nn.dot_product_attention``'s layout and
   meaning, computing only the real tokens.
 
   Args:
-    query: [batch, T, num_heads, head_dim], bfloat16, float16 or float32.
-    key: [batch, S, num_kv_heads, head_dim], same dtype; num_heads % num_kv_heads == 0.
-    value: [batch, S, num_kv_heads, head_dim_v], same dtype.
+    query: [batch, T, num_heads, head_dim], bfloat16, float16 or float32; with FP8 key
+      and value also float8_e4m3fn / float8_e5m2 (with q_scale).
+    key: [batch, S, num_kv_heads, head_dim], same dtype (or FP8 under a bf16/f16 query);
+      num_heads % num_kv_heads == 0.
+    value: [batch, S, num_kv_heads, head_dim_v], key's dtype.
     query_seq_lengths: optional [batch] int32: the first L rows of each batch row are
       real queries (default T); the others output zeros.
     key_value_seq_lengths: optional [batch] int32: the first L rows of each batch row are
@@ -224,7 +228,14 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       None: every token belongs to a sequence.
     max_segments: static int bound on the sequences per batch row; None: counted from
       concrete segment ids (rounded up to a power of two), required under jit.
-    output_dtype: default query's dtype.
+    q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
+      ``mha_prefill`` (work in progress, issue 24; the Triton kernel serves what Mosaic
+      GPU refuses, and ``auto`` picks it): each a scalar, [num_kv_heads] or [batch,
+      num_kv_heads], batch being the padded batch's rows (every sequence of a row,
+      segments included, takes its row's scale);
+      the real values are the FP8 values times the scales. q_scale only with an FP8
+      query; a bf16/f16 query over FP8 key and value is used as given.
+    output_dtype: default query's dtype (bfloat16 for an FP8 query).
     return_lse: also return the float32 natural-log log-sum-exp [batch, T, num_heads]
       (padding rows: -1e30).
     backend: None or "auto" (Mosaic GPU on Hopper where it serves, else Triton),
@@ -245,19 +256,21 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
 
   Raises:
     TypeError, ValueError: static problems naming the argument (ranks, shapes, dtypes,
-      head counts, lengths or segment ids of the wrong shape or dtype, lengths with
-      segment ids, a window the masks cannot express, logits_soft_cap <= 0), concrete
-      lengths outside [0, T] or [0, S], and concrete segment ids with more sequences in a
-      row than max_segments; more than 65535 sequences in all (batch *
-      (2 * max_segments + 1), a launch grid's limit). Under jit nothing checks values:
-      lengths and runs are clamped, so garbage gives garbage rows but no access
-      outside the arrays or NaN.
+      head counts, FP8 scales missing, misshapen, not float32 or without FP8 inputs, an
+      FP8 query over wider key and value, lengths or segment ids of the wrong shape or
+      dtype, lengths with segment ids, a window the masks cannot express,
+      logits_soft_cap <= 0), concrete lengths outside [0, T] or [0, S], and concrete
+      segment ids with more sequences in a row than max_segments; more than 65535
+      sequences in all (batch * (2 * max_segments + 1), a launch grid's limit). Under
+      jit nothing checks values: lengths and runs are clamped, so garbage gives garbage
+      rows but no access outside the arrays or NaN.
     NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
   """
   for name, x in (("query", query), ("key", key), ("value", value)):
     val.check_array(name, x, 4)
-    val.check_float_dtype(name, x)
-  if len({jnp.dtype(x.dtype) for x in (query, key, value)}) > 1:
+    val.check_float_dtype(name, x, fp8_ok=True)
+  has_fp8 = any(fp8.is_fp8(x.dtype) for x in (query, key, value))
+  if not has_fp8 and len({jnp.dtype(x.dtype) for x in (query, key, value)}) > 1:
     raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, "
                     f"{key.dtype}, {value.dtype}")
   batch, t, num_heads, head_dim = query.shape
@@ -271,6 +284,10 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     raise ValueError(f"query and key head dims differ: query {query.shape}, key {key.shape}")
   s, num_kv_heads = key.shape[1:3]
   val.check_heads(num_heads, num_kv_heads)
+  scales = fp8.scales(query, key, value, q_scale, k_scale, v_scale, batch=batch,
+                      num_kv_heads=num_kv_heads, names=("query", "key", "value"))
+  if scales is not None and output_dtype is None:
+    output_dtype = fp8.output_dtype_for(query.dtype)
   val.check_head_dim("head_dim", head_dim)
   val.check_head_dim("head_dim_v", value.shape[-1])
   mask = window_mask(is_causal, local_window_size)
@@ -296,7 +313,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
       output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
       backend=backend, logits_soft_cap=logits_soft_cap)
-  return _padded_attention(query, key, value, *layout[1:], sink_weights,
+  return _padded_attention(query, key, value, *layout[1:], sink_weights, scales,
                            segments=layout[0] == "segments",
                            padding_segment_id=padding_segment_id,
                            max_segments=max_segments, **static)
@@ -304,10 +321,11 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS + (
     "segments", "padding_segment_id", "max_segments"))
-def _padded_attention(query, key, value, q_info, kv_info, sink_weights, *, segments,
-                      padding_segment_id, max_segments, **static):
+def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, *,
+                      segments, padding_segment_id, max_segments, **static):
   """The padded layout under jit: the ragged description (``ragged_layout``), the kernel
-  on the ``[batch * seq, heads, depth]`` views, the outputs viewed back."""
+  on the ``[batch * seq, heads, depth]`` views, the outputs viewed back. FP8 ``scales``
+  ([batch, num_kv_heads] each) are repeated for each batch row's ragged sequences."""
   batch, t, num_heads, _ = query.shape
   s = key.shape[1]
   if segments:
@@ -320,9 +338,12 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, *, segme
       return jnp.zeros((batch, 1), jnp.int32), lengths[:, None]
     q_runs, kv_runs = whole(q_info, t), whole(kv_info, s)
   q_offsets, kv_starts, kv_ends = ragged_layout(q_runs, kv_runs, t, s)
+  if scales is not None:
+    per_row = 2 * q_runs[0].shape[1] + 1  # ragged_layout's sequences per batch row
+    scales = tuple(jnp.repeat(x, per_row, axis=0) for x in scales)
   flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  (a view: no copy)
   out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,
-                              kv_ends, sink_weights, top_left=True, **static)
+                              kv_ends, sink_weights, scales, top_left=True, **static)
   if not static["return_lse"]:
     return out.reshape(batch, t, num_heads, -1)
   out, lse = out

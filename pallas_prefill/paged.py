@@ -58,7 +58,9 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   of the caller's jit to update the cache in place.
 
   Args:
-    pages: [num_pages, page_size, heads, depth].
+    pages: [num_pages, page_size, heads, depth], any dtype the kernels read (FP8
+      included: an FP8 cache's rows are written as given, already quantized for the
+      scales the prefill then takes).
     new_rows: [total_q, heads, depth] packed like the queries, same dtype as pages.
     input_row_offsets: [batch + 1] int32 or uint32 offsets of the new rows.
     block_table: [batch, max_pages_per_seq] int32.
@@ -67,7 +69,14 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   Returns:
     The updated pages. Rows past input_row_offsets[-1], and rows whose position has no
     page in the table or whose page id is out of range, are dropped.
+
+  Raises:
+    TypeError: new_rows' dtype is not the pages' (no silent cast: rows cast to FP8
+      without their scale would change value, or overflow to NaN).
   """
+  if jnp.dtype(new_rows.dtype) != jnp.dtype(pages.dtype):
+    raise TypeError(f"new_rows ({new_rows.dtype}) must have the pages' dtype "
+                    f"({pages.dtype}); quantize FP8 rows first (pallas_prefill.fp8)")
   num_pages, page_size = pages.shape[:2]
   total = new_rows.shape[0]
   offsets = input_row_offsets.astype(jnp.int32)
@@ -83,7 +92,7 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   page = block_table[seq, jnp.clip(slot, 0, block_table.shape[1] - 1)].astype(jnp.int32)
   keep = in_seq & in_table & (page >= 0) & (page < num_pages)
   page = jnp.where(keep, page, num_pages)  # out of range: dropped
-  return pages.at[page, pos % page_size].set(new_rows.astype(pages.dtype), mode="drop")
+  return pages.at[page, pos % page_size].set(new_rows, mode="drop")
 
 
 def check_paged(operands, batch):

@@ -58,6 +58,27 @@ def _unpage(input_row_offsets, kv_input_row_offsets, *operands):
   return list(operands), _row_positions(kv_off, operands[0].shape[0]), jnp.diff(kv_off)
 
 
+def _dequantized(x, scale, seq, batch, num_kv_heads):
+  """FP8 rows x [rows, heads, depth] in float32 times their scale (``fp8.check_scale``'s
+  shapes): row r takes its sequence seq[r]'s, a head its K/V head's. A 1-head operand
+  among several K/V heads (MLA's shared k_rope) becomes one copy per K/V head, each
+  dequantized with that head's scale. Other dtypes are returned as they are."""
+  if not fp8.is_fp8(x.dtype):
+    return x
+  if x.shape[1] == 1 and num_kv_heads > 1:
+    x = jnp.broadcast_to(x, (x.shape[0], num_kv_heads, x.shape[2]))
+  per_row = fp8.check_scale("scale", scale, batch, num_kv_heads)[seq]  # [rows, kv heads]
+  per_row = jnp.repeat(per_row, x.shape[1] // num_kv_heads, axis=1)
+  return x.astype(jnp.float32) * per_row[:, :, None]
+
+
+def _fp8_output_dtype(q, k, output_dtype):
+  """The default output dtype: bfloat16 for an FP8 q, else q's (FP8 K/V or not)."""
+  if output_dtype is not None:
+    return output_dtype
+  return fp8.output_dtype_for(q.dtype) if fp8.is_fp8(k.dtype) else q.dtype
+
+
 def _soft_cap(s, cap):
   return s if cap is None else cap * jnp.tanh(s / cap)
 
@@ -132,17 +153,12 @@ def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
   del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
   (k, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets, k, v)
+  output_dtype = _fp8_output_dtype(q, k, output_dtype)
   batch, num_kv_heads = input_row_offsets.shape[0] - 1, k.shape[-2]
-  if fp8.is_fp8(k.dtype):
-    def dequantize(x, scale, seq):
-      per_row = fp8.check_scale("scale", scale, batch, num_kv_heads)[seq]  # [rows, kv]
-      per_row = jnp.repeat(per_row, x.shape[1] // num_kv_heads, axis=1)
-      return x.astype(jnp.float32) * per_row[:, :, None]
-    k, v = dequantize(k, k_scale, keys[0]), dequantize(v, v_scale, keys[0])
-    output_dtype = output_dtype or (jnp.bfloat16 if fp8.is_fp8(q.dtype) else q.dtype)
-    if fp8.is_fp8(q.dtype):
-      q_seq = _row_positions(input_row_offsets.astype(jnp.int32), q.shape[0])[0]
-      q = dequantize(q, q_scale, q_seq)
+  q_seq = _row_positions(input_row_offsets.astype(jnp.int32), q.shape[0])[0]
+  q = _dequantized(q, q_scale, q_seq, batch, num_kv_heads)
+  k, v = (_dequantized(x, s, keys[0], batch, num_kv_heads)
+          for x, s in ((k, k_scale), (v, v_scale)))
   k32 = _heads(k, num_heads)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
 
@@ -158,8 +174,11 @@ def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
 def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                           kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                           output_dtype=None, return_lse=False, config=None, interpret=None,
-                          backend=None, logits_soft_cap=None):
-  """Float32 reference for ``mla_prefill``: logits = (q_nope.k_nope + q_rope.k_rope) * scale.
+                          backend=None, logits_soft_cap=None, q_scale=None, k_scale=None,
+                          v_scale=None):
+  """Float32 reference for ``mla_prefill``: logits = (q_nope.k_nope + q_rope.k_rope) * scale
+  (FP8 inputs dequantized in float32 first: q_scale for all of q, k_scale for k_nope and
+  k_rope, a shared k_rope dequantized per K/V head).
 
   ``max_prompt_len``, ``config``, ``interpret`` and ``backend`` are accepted and ignored.
   """
@@ -167,6 +186,12 @@ def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt
   num_heads = q.shape[1]
   (k_nope, k_rope, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets,
                                                k_nope, k_rope, v)
+  output_dtype = _fp8_output_dtype(q, k_nope, output_dtype)
+  batch, num_kv_heads = input_row_offsets.shape[0] - 1, k_nope.shape[-2]
+  q_seq = _row_positions(input_row_offsets.astype(jnp.int32), q.shape[0])[0]
+  q = _dequantized(q, q_scale, q_seq, batch, num_kv_heads)
+  k_nope, k_rope, v = (_dequantized(x, s, keys[0], batch, num_kv_heads)
+                       for x, s in ((k_nope, k_scale), (k_rope, k_scale), (v, v_scale)))
   d_nope = k_nope.shape[-1]
   kn32, kr32 = _heads(k_nope, num_heads), _heads(k_rope, num_heads)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -199,15 +224,26 @@ def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None
                                     logits_soft_cap=None, segment_ids=None,
                                     padding_segment_id=None, max_segments=None,
                                     output_dtype=None, return_lse=False, backend=None,
-                                    interpret=None):
+                                    interpret=None, config=None, q_scale=None,
+                                    k_scale=None, v_scale=None):
   """Float32 reference for ``dot_product_attention``, dense over each batch row: query t
   sees key s iff both are real tokens of one sequence (the first L rows, or the k-th runs
   of equal segment ids, runs past ``max_segments`` being padding) and the mask allows it
-  at their positions within the sequence. Same arguments; ``backend`` and ``interpret``
+  at their positions within the sequence; FP8 inputs dequantized in float32 first, with
+  batch row b's scales. Same arguments; ``backend``, ``interpret`` and ``config``
   ignored."""
-  del backend, interpret
+  del backend, interpret, config
   batch, t_len, num_heads, head_dim = query.shape
   s_len, num_kv_heads = key.shape[1:3]
+  output_dtype = _fp8_output_dtype(query, key, output_dtype)
+
+  def dequantized(x, scale):  # [batch, seq, heads, depth], row b's scales
+    rows = x.reshape(-1, *x.shape[2:])
+    seq = jnp.arange(rows.shape[0], dtype=jnp.int32) // x.shape[1]
+    return _dequantized(rows, scale, seq, batch, num_kv_heads).reshape(x.shape)
+
+  query, key, value = (dequantized(x, sc) for x, sc in ((query, q_scale), (key, k_scale),
+                                                       (value, v_scale)))
   mask = window_mask(is_causal, local_window_size)
   scale = head_dim ** -0.5 if scale is None else scale
   if segment_ids is not None:

@@ -2,10 +2,14 @@
 `python -m benchmarks.run` on tiny workloads in interpret mode (the GPU systems report
 themselves unavailable here)."""
 
+import dataclasses
 import json
 import os
 import types
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import run, systems as sy, workloads as wl
@@ -83,7 +87,7 @@ def test_padded_and_soft_cap_systems_run_and_are_checked(monkeypatch, tmp_path, 
   md = (tmp_path / "mha" / "results.md").read_text()
   assert "| mha | tiny | pallas_prefill_padded | auto: triton |" in md
   # Every timing is _call_once's millisecond: each ratio is 1.
-  assert "| mha | tiny | 1.000 | 1.000 | 1.00x (xla_padded) |" in md
+  assert "| mha | tiny | 1.000 | 1.000 | - | - | 1.00x (xla_padded) |" in md
   assert "Ratios of time" not in (tmp_path / "mla" / "results.md").read_text()  # no pair
 
 
@@ -93,10 +97,13 @@ def test_comparisons_take_correct_rows_and_the_fastest_padded_anchor():
   rows = [row("pallas_prefill_default", 1.0), row("pallas_prefill_padded", 1.04),
           row("pallas_prefill_softcap", 1.02), row("cudnn_padded", 3.12),
           row("tokamax_mosaic", 2.6), row("torch_sdpa_cudnn", 0.5, correct=False),
-          row("cudnn_packed", 0.9), dict(row("pallas_prefill_default", 2.0), workload="other")]
+          row("cudnn_packed", 0.9), row("pallas_prefill_fp8", 0.8), row("cudnn_fp8", 0.6),
+          dict(row("pallas_prefill_default", 2.0), workload="other")]
   [c] = run.comparisons(rows)  # "other" has nothing to compare
   assert c["padded_vs_packed"] == pytest.approx(1.04)
   assert c["softcap_vs_nocap"] == pytest.approx(1.02)
+  assert c["fp8_vs_bf16"] == pytest.approx(0.8)
+  assert c["cudnn_fp8_vs_fp8"] == pytest.approx(0.75)
   name, speedup = c["anchor_vs_padded"]
   assert name == "tokamax_mosaic" and speedup == pytest.approx(2.5)  # wrong rows skipped
 
@@ -353,3 +360,166 @@ def test_ab_child_process_runs_the_harness_with_the_arms_options(tmp_path):
   assert row["system"] == "pallas_prefill" and row["correct"]
   assert json.loads((tmp_path / "ab.json").read_text())["arms"] == {
       "static": {"dynamic": False, "num_programs": None}}
+
+
+# --------------------------------------------------------------------------------------
+# FP8 (issue 24): the *_fp8 systems quantize the workload's data themselves
+
+
+def test_fp8_problems_are_quantized_per_kv_head_or_per_tensor():
+  """``quantize_problem``: e4m3 arrays whose dequantized values lie within e4m3's
+  precision of the data, scales per K/V head (Q's per K/V head's group of query heads) or
+  per tensor; the paged cache quantized with the packed K/V's scales; MLA's k_nope and
+  k_rope under one per-tensor k_scale."""
+  e4 = jnp.dtype(jnp.float8_e4m3fn)
+  problem = sy.make_problem("mha", wl.WORKLOADS["tiny_paged"], 0)
+  kv_heads = problem.kv[0].shape[1]
+  for per_tensor in (False, True):
+    quantized = sy.quantize_problem(problem, per_tensor=per_tensor)
+    p8 = quantized.problem
+    assert {x.dtype for x in (p8.q, *p8.kv, *(x.pages for x in p8.paged))} == {e4}
+    assert {s.shape for s in quantized.scales.values()} == {() if per_tensor else (kv_heads,)}
+    dequantized = quantized.dequantized()
+    assert dequantized.paged is None and dequantized.q.dtype == jnp.float32
+    for approx, x in zip((dequantized.q, *dequantized.kv), (problem.q, *problem.kv)):
+      assert run.rel_err(approx, x) < 4e-2
+    k_pages = p8.paged[0]
+    assert float(jnp.abs(k_pages.pages.astype(jnp.float32)).max()) == float(
+        jnp.abs(p8.kv[0].astype(jnp.float32)).max())  # the same values, paged
+  group = problem.q.shape[1] // kv_heads
+  q_scale = sy.quantize_problem(problem).scales["q_scale"]
+  top = jnp.abs(problem.q.astype(jnp.float32)).reshape(-1, kv_heads, group, 128).max((0, 2, 3))
+  np.testing.assert_allclose(q_scale, top / 448, rtol=1e-6)
+  mla = sy.quantize_problem(sy.make_problem("mla", wl.WORKLOADS["tiny"], 0))
+  assert mla.scales["k_scale"].shape == () and mla.scales["q_scale"].shape == (128,)
+  assert {x.dtype for x in mla.problem.kv} == {e4}
+
+
+def test_fp8_systems_run_beside_bf16_and_are_checked_against_the_dequantized_inputs(
+    monkeypatch, tmp_path, capsys):
+  """``--systems pallas_prefill_default pallas_prefill_fp8 cudnn_fp8`` in one run (MHA
+  ``tiny``, interpret mode): the FP8 row is correct within FP8_TOLERANCE against the
+  reference of its dequantized inputs (which differs from the bf16 inputs' reference by
+  far more than its error), records its tolerance, and the ratio FP8 / bf16 is reported;
+  cuDNN's FP8 says why it cannot run the ragged batch."""
+  monkeypatch.setattr(run, "bench_jax", _call_once)
+  run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_default",
+            "pallas_prefill_fp8", "cudnn_fp8", "--out", str(tmp_path)])
+  assert any("cudnn_fp8" in line and "n/a: equal lengths only" in line
+             for line in capsys.readouterr().out.splitlines())
+  got = {r["system"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+  assert set(got) == {"pallas_prefill_default", "pallas_prefill_fp8"}
+  fp8_row = got["pallas_prefill_fp8"]
+  assert fp8_row["correct"] and fp8_row["tolerance"] == sy.FP8_TOLERANCE
+  assert fp8_row["backend"] == "auto: triton" and "tolerance" not in got[
+      "pallas_prefill_default"]
+  problem = sy.make_problem("mha", wl.WORKLOADS["tiny"], 0)
+  dequantized = sy.quantize_problem(problem).dequantized()
+  assert run.rel_err(sy.reference(problem), sy.reference(dequantized)) > 5 * fp8_row["relerr"]
+  assert "| mha | tiny | - | - | 1.000 | - | - |" in (tmp_path / "results.md").read_text()
+
+
+def test_fp8_on_mla_is_not_run_where_mla_prefill_refuses_it(monkeypatch):
+  """Where ``mla_prefill`` refuses FP8 inputs, pallas_prefill_fp8 on MLA is not run (with
+  the reason), not a failure; on MHA the same error is one."""
+  def refuse(*_, **__):
+    raise TypeError("mla_prefill takes no FP8 inputs")
+
+  monkeypatch.setattr(pp, "mla_prefill", refuse)
+  monkeypatch.setattr(pp, "mha_prefill", refuse)
+  with pytest.raises(sy.Unavailable, match="mla_prefill refuses FP8 inputs: TypeError"):
+    sy.prepare("pallas_prefill_fp8", [sy.make_problem("mla", wl.WORKLOADS["tiny"], 0)])
+  with pytest.raises(TypeError):
+    sy.prepare("pallas_prefill_fp8", [sy.make_problem("mha", wl.WORKLOADS["tiny"], 0)])
+
+
+EQUAL = wl.Workload("equal2x128", (128, 128), kernels=("mha",))
+
+
+@pytest.mark.parametrize("kind,workload,reason", [
+    ("mha", wl.WORKLOADS["tiny"], "equal lengths only"),
+    ("mha", wl.WORKLOADS["tiny_paged"], "self-attention only"),
+    ("mha", dataclasses.replace(EQUAL, mask=masks.SlidingWindowCausalMask(16)),
+     "causal or no mask only"),
+    ("mla", dataclasses.replace(EQUAL, kernels=("mla",)), "MHA only"),
+    ("mha", EQUAL, "needs a GPU"),  # expressible: the CPU is what stops it
+])
+def test_cudnn_fp8_says_where_it_cannot_run(kind, workload, reason):
+  problems = [sy.make_problem(kind, workload, 0)]
+  for name in ("cudnn_fp8", "cudnn_fp8_kv_repeated"):
+    with pytest.raises(sy.Unavailable, match=reason):
+      sy.prepare(name, problems)
+
+
+def test_cudnn_fp8_inputs_and_call_lower_for_cuda(monkeypatch):
+  """cuDNN's FP8 inputs: the packed rows as dense [batch, len, heads, 128] e4m3 arrays
+  (K/V at 8 heads, or repeated to 32), per-tensor fp8_params with every key JAX checks;
+  the call lowers (for CUDA, on the CPU, its cuDNN version check stubbed) to cuDNN's FP8
+  custom call with GQA's 8 K/V heads and an e4m3 output."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  quantized = sy.quantize_problem(sy.make_problem("mha", EQUAL, 0), per_tensor=True)
+  q, k, v, params = sy.cudnn_fp8_inputs(quantized)
+  assert q.shape == (2, 128, 32, 128) and k.shape == v.shape == (2, 128, 8, 128)
+  assert q.dtype == k.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(q.reshape(-1, 32, 128).astype(jnp.float32),
+                                quantized.problem.q.astype(jnp.float32))
+  assert set(params) == set(fa.fp8_params_keys)
+  assert {x.shape for x in params.values()} == {(1, 1, 1, 1)}
+  assert float(params["descale_q"][0, 0, 0, 0]) == float(quantized.scales["q_scale"])
+  assert float(params["scale_o"][0, 0, 0, 0] * quantized.scales["v_scale"]) == (
+      pytest.approx(1.0))
+  assert sy.cudnn_fp8_inputs(quantized, repeat_kv=True)[1].shape == (2, 128, 32, 128)
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91900)
+  fn = jax.jit(lambda q, k, v, p: sy.cudnn_fp8_attention(q, k, v, p, causal=True))
+  text = fn.trace(q, k, v, params).lower(lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "__cudnn$fmhaSoftmaxF8" in line)
+  assert "tensor<2x128x8x128xf8E4M3FN>" in call and "tensor<2x32x128x128xf8E4M3FN>" in call
+
+
+def test_cudnn_fp8_output_is_dequantized_with_its_scale(monkeypatch):
+  """The cuDNN FP8 system's bookkeeping, with cuDNN's documented semantics emulated on the
+  CPU (logits = q8.k8 descale_q descale_k scale, out8 = softmax . v8 descale_v scale_o in
+  e4m3): its packed output matches the dequantized inputs' reference within
+  FP8_TOLERANCE."""
+  def emulated(q, k, v, params, *, causal):
+    f = lambda x, key: x.astype(jnp.float32) * params[key][0, 0, 0, 0]  # noqa: E731
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) for x in (f(k, "descale_k"), f(v, "descale_v")))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", f(q, "descale_q"), k) * q.shape[-1] ** -0.5
+    length = q.shape[1]
+    visible = jnp.tril(jnp.ones((length, length), bool)) if causal else True
+    probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v) * params["scale_o"][0, 0, 0, 0]
+    return out.astype(q.dtype)
+
+  monkeypatch.setattr(sy, "cudnn_fp8_attention", emulated)
+  monkeypatch.setattr(sy.jax, "default_backend", lambda: "gpu")
+  prepared = sy.prepare("cudnn_fp8", [sy.make_problem("mha", EQUAL, s) for s in range(2)])
+  assert prepared.tolerance == sy.FP8_TOLERANCE
+  err = run.rel_err(prepared.to_packed(prepared.fn(*prepared.arg_sets[0])),
+                    prepared.reference())
+  assert 1e-3 < err < sy.FP8_TOLERANCE  # e4m3's output rounding, about 3e-2
+
+
+def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
+  """benchmarks.experiments.fp8_accuracy on the CPU at a tiny size, the Triton backend
+  named (``auto`` lowers each call once more to say what it picked): ours on bf16,
+  per-head and per-tensor FP8 inputs for normal and outlier data, cuDNN skipped with a
+  message; the FP8 errors against the dequantized inputs' reference within FP8_TOLERANCE,
+  and the outliers' against the original data far larger than normal data's."""
+  from benchmarks.experiments import fp8_accuracy  # pylint: disable=g-import-not-at-top
+
+  fp8_accuracy.main(["--interpret", "--lens", "16", "9", "--heads", "2", "--kv-heads", "1",
+                     "--head-dim", "32", "--backend", "triton", "--out", str(tmp_path)])
+  assert "cudnn: skipped (needs a GPU)" in capsys.readouterr().out
+  rows = json.loads((tmp_path / "fp8_accuracy.json").read_text())["rows"]
+  got = {(r["data"], r["quantization"], r["system"]): r for r in rows}
+  assert set(got) == {(d, q, "pallas_prefill") for d in ("normal", "outliers")
+                      for q in ("none (bf16)", "per_head", "per_tensor")}
+  for (data, quantization, _), r in got.items():
+    assert r["backend"] == "triton"
+    if quantization != "none (bf16)":
+      assert r["err_dequantized"] < sy.FP8_TOLERANCE, (data, quantization)
+  assert (got[("outliers", "per_head", "pallas_prefill")]["err_original"]
+          > 2 * got[("normal", "per_head", "pallas_prefill")]["err_original"])

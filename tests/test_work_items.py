@@ -30,13 +30,15 @@ class WorkCase:
   programs: int = 132
   paged: tuple | None = None  # (cache lengths, capacity, page_tiles)
   extra_rows: int = 9  # query rows past offsets[-1]
+  fp8: bool = False  # FP8's table: KV tiles at multiples of 16 keys, the sequence column
 
   @property
   def name(self):
     return (f"b{len(self.lens)}-{type(self.mask).__name__}-h{self.heads}g{self.group}"
             f"-bkv{self.block_kv}-p{self.programs}{'-kv' if self.kv_lens else ''}"
             f"{'-garbage' if self.garbage else ''}"
-            f"{'-paged' + str(self.paged[2]) if self.paged else ''}")
+            f"{'-paged' + str(self.paged[2]) if self.paged else ''}"
+            f"{'-fp8' if self.fp8 else ''}")
 
 
 _RNG = np.random.default_rng(7)
@@ -68,6 +70,14 @@ WORK_CASES = [
     WorkCase((512,) * 8, kv_lens=_CHUNKED_KV, heads=128, group=1, block_kv=64,
              extra_rows=0),
 ]
+# FP8 (issue 24): V^T's TMA needs tiles at multiples of 16 keys; scales by sequence
+FP8_WORK_CASES = [
+    WorkCase(_SHORT, fp8=True),
+    WorkCase((5, 100, 300, 0, 64), kv_lens=(50, 0, 700, 3, 64), fp8=True, block_kv=64),
+    WorkCase((37, 200, 1), mask=masks.SlidingWindowCausalMask(100), kv_lens=(300, 40, 9),
+             fp8=True),
+    WorkCase(_SHORT[:40], garbage=True, heads=8, group=8, fp8=True),
+]
 
 
 def _offsets(lens):
@@ -93,7 +103,11 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   off = jnp.asarray(off)
   kw = dict(mask=case.mask, block_q=case.block_q, block_kv=case.block_kv,
             paged_cache=paged, page_tiles=page_tiles)
+  if case.fp8:
+    kw.update(kv_align=16, seq_column=True)
   table, _, kv_end, n_live = xla_work_list.work_list(off, kv_rows(kv_off), total_q, total_kv, **kw)
+  if case.fp8:
+    check_fp8_tiles(np.asarray(table), case.block_kv, len(case.lens))
   programs = min(case.programs, case.heads * table.shape[0])
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
@@ -114,7 +128,22 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   assert not rest.any()  # layout.S_NEXT among them: the claims start at 0
 
 
-@pytest.mark.parametrize("case", WORK_CASES, ids=lambda c: c.name)
+def check_fp8_tiles(table, block_kv, batch):
+  """FP8's table: every KV tile starts at a multiple of 16 keys, the tiles of an item with
+  any cover its sequence's keys, and the sequence column names a sequence (or the rows
+  past the last offset, one more: the kernel clamps it)."""
+  first = table[:, layout.KV_ROW8] * 8
+  last = table[:, layout.KV_LAST8] * 8
+  assert not (first % 16).any() and not (last % 16).any()
+  start, length = table[:, layout.KV_START], table[:, layout.KV_LEN]
+  has = (table[:, layout.T_HI] > table[:, layout.T_LO]) & (length > 0)
+  assert (first[has] <= start[has]).all()
+  assert (last[has] + block_kv >= start[has] + length[has]).all()
+  assert table.shape[1] == layout.SEQ + 1
+  assert ((table[:, layout.SEQ] >= 0) & (table[:, layout.SEQ] <= batch)).all()
+
+
+@pytest.mark.parametrize("case", WORK_CASES + FP8_WORK_CASES, ids=lambda c: c.name)
 def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
 

@@ -78,7 +78,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   first (``operands.gathered_pages``). Split units need dynamic scheduling
   (``smem.splits``): without it, the units are shared. FP8 (``scales``: the logits' and
   V's dequantization factors, each [batch, num_kv_heads] float32): V goes to the kernel
-  transposed and the factors by query row (``fp8_operands``)."""
+  transposed, and the factors as they are (``fp8_operands``)."""
   total_q, num_heads, _ = q_ops[0].shape
   paged_cache = block_table = page_size = None
   config = dataclasses.replace(config, split_units=splits(config))
@@ -95,8 +95,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   num_kv_heads, v_depth = v.shape[-2:]
   rows = L.COMPUTE_WGS * config.block_q
   fp8 = jnp.dtype(v.dtype).itemsize == 1
-  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, scale * LOG2_E,
-                               total_q=total_q, block_kv=config.block_kv) if fp8 else None
+  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales,
+                               block_kv=config.block_kv) if fp8 else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,

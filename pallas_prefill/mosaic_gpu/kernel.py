@@ -143,9 +143,8 @@ class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
   V (FP8: transposed, [num_kv_heads, v_depth, rows]), ``v_tail``, the block table (paged
-  only, else None), FP8's per-row scales (each [total_q, num_kv_heads] float32: the
-  logits' factor times the softmax scale and log2(e), and V's; else None), the output and
-  the per-item LSE (or None)."""
+  only, else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor
+  and V's, else None), the output and the per-item LSE (or None)."""
 
   meta: object
   scalars: object
@@ -157,8 +156,8 @@ class Refs:
   table: object
   o: object
   lse: object
-  qk_rows: object = None
-  v_rows: object = None
+  qk_scale: object = None
+  v_scale: object = None
 
   @classmethod
   def unpack(cls, meta_ref, scalar_ref, refs, spec: KernelSpec) -> Refs:
@@ -168,10 +167,10 @@ class Refs:
     k, refs = refs[:spec.n_k], refs[spec.n_k:]
     v, v_tail, *refs = refs
     table = refs.pop(0) if spec.page_size is not None else None
-    qk_rows, v_rows = (refs.pop(0), refs.pop(0)) if spec.fp8 else (None, None)
+    qk_scale, v_scale = (refs.pop(0), refs.pop(0)) if spec.fp8 else (None, None)
     return cls(meta=meta_ref, scalars=scalar_ref, sink=sink, q=q, k=k, v=v, v_tail=v_tail,
                table=table, o=refs[0], lse=refs[1] if spec.has_lse else None,
-               qk_rows=qk_rows, v_rows=v_rows)
+               qk_scale=qk_scale, v_scale=v_scale)
 
 
 def tile_first_row(kv_row8, kv_last8, i, *, block_kv):
@@ -433,7 +432,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
 
 def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   """The unit's row of the work list, as the compute warpgroup needs it (``Item``); FP8:
-  the scales of its sequence (the rows of its first query row's)."""
+  its sequence's scales (the logits' times the softmax scale and log2(e))."""
   h, w, meta, item_lo, item_hi, half = units.item_of(hw)
   kv_start, kv_len = meta(L.KV_START), meta(L.KV_LEN)
   kv_row8, kv_last8 = meta(L.KV_ROW8), meta(L.KV_LAST8)
@@ -448,7 +447,10 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   scales = {}
   if spec.fp8:
     kv_head = lax.div(h, jnp.int32(spec.group))
-    scales = dict(qk_scale=refs.qk_rows[q_start, kv_head], v_scale=refs.v_rows[q_start, kv_head])
+    # (The rows past the last offset are one more "sequence", keyless: clamped.)
+    seq = jnp.minimum(meta(L.SEQ), refs.qk_scale.shape[0] - 1)
+    scales = dict(qk_scale=refs.qk_scale[seq, kv_head] * spec.scale,
+                  v_scale=refs.v_scale[seq, kv_head])
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
               kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base,

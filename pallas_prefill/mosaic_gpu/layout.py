@@ -15,7 +15,8 @@ CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 (Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW8, KV_LAST8, T_LO, T_HI) = range(9)
 WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
 META_COLS = WG_COLS + 4 * COMPUTE_WGS
-SEQ = META_COLS  # paged (``page_tiles``) only: the item's sequence, its block table row
+# Paged (``page_tiles``) and FP8 only: the item's sequence (its block table row, its scales)
+SEQ = META_COLS
 # ``KV_LAST8`` of items whose KV tiles are never shifted back (a paged cache's tiles lie
 # inside pages): larger than any tile's row / 8.
 NO_SHIFT = 2**27

@@ -50,16 +50,15 @@ def padded_rows(rows: int, tile: int) -> int:
 FP8_KV_ALIGN = 16
 
 
-def fp8_operands(v, q_offsets, kv_rows, scales, logit_scale, *, total_q, block_kv):
+def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv):
   """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
   multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
   sequence's keys zeroed (padding and rows past the batch's last key may hold anything,
-  NaN included, and 0 * NaN is NaN); and the scales by query row,
-  each [total_q, num_kv_heads] float32: row r's sequence's logit factor times
-  ``logit_scale`` (so the kernel multiplies once), and V's. One XLA transpose of V (an FP8
-  matrix product reads its B operand K-major: the keys along a row)."""
+  NaN included, and 0 * NaN is NaN); and the scales ([batch, num_kv_heads] float32 each:
+  the logits' factor and V's), which the kernel reads by the item's sequence
+  (``layout.SEQ``). One XLA transpose of V (an FP8 matrix product reads its B operand
+  K-major: the keys along a row)."""
   total_kv = v.shape[0]
-  batch = q_offsets.shape[0] - 1
   starts, ends = ((q_offsets[:-1], q_offsets[1:]) if kv_rows is None else kv_rows)
   starts = jnp.clip(starts.astype(jnp.int32), 0, total_kv)
   ends = jnp.clip(ends.astype(jnp.int32), starts, total_kv)
@@ -69,11 +68,7 @@ def fp8_operands(v, q_offsets, kv_rows, scales, logit_scale, *, total_q, block_k
   vt = jnp.transpose(jnp.where(live, v, jnp.zeros((), v.dtype)), (1, 2, 0))
   rows = max(-(-total_kv // 16) * 16, block_kv)
   vt = jnp.pad(vt, [(0, 0), (0, 0), (0, rows - total_kv)])
-  seq = jnp.searchsorted(q_offsets[1:].astype(jnp.int32), jnp.arange(total_q, dtype=jnp.int32),
-                         side="right")
-  seq = jnp.clip(seq, 0, batch - 1)
-  qk_scale, v_scale = scales
-  return vt, (qk_scale * logit_scale)[seq], v_scale[seq]
+  return (vt, *scales)
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_lse,
@@ -98,8 +93,8 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   page_tiles = block_table is not None
   kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
             paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left)
-  if fp8 is not None:  # V^T's tiles: a row's first key 16-byte aligned for TMA
-    kw["kv_align"] = FP8_KV_ALIGN
+  if fp8 is not None:  # V^T's tiles: a row's first key 16-byte aligned for TMA; scales by
+    kw.update(kv_align=FP8_KV_ALIGN, seq_column=True)  # the item's sequence
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options

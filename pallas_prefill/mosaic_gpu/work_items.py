@@ -51,9 +51,10 @@ def sizes(num_items: int, batch: int) -> tuple[int, int]:
   return _pow2(num_items), _round(batch + 2)
 
 
-def num_columns(page_tiles: bool) -> int:
-  """The table's columns: ``layout``'s, plus the item's sequence with ``page_tiles``."""
-  return L.META_COLS + (1 if page_tiles else 0)
+def num_columns(seq_column: bool) -> int:
+  """The table's columns: ``layout``'s, plus the item's sequence (``layout.SEQ``: paged
+  tiles and FP8 read it)."""
+  return L.META_COLS + (1 if seq_column else 0)
 
 
 def fits(num_items: int, batch: int, kv_tile_bound: int) -> bool:
@@ -185,7 +186,7 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret, kv_align):
+            top_left, interpret, kv_align, seq_column):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
@@ -194,7 +195,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   ops = Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
   rows = L.COMPUTE_WGS * block_q
-  n_cols = num_columns(page_tiles)
+  n_cols = num_columns(page_tiles or seq_column)
   clip = jnp.clip
 
   def body(seq_bufs, scan_buf, mark, col_bufs, sort_buf):
@@ -247,7 +248,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                             block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
                             top_left=top_left, kv_align=kv_align)
-    if page_tiles:
+    if page_tiles or seq_column:
       cols.append(jnp.where(live, seq, 0))
     lo, hi = cols[L.T_LO], cols[L.T_HI]
     stores = jnp.minimum(row + rows, i_q_start + i_q_len) > jnp.maximum(row, i_q_start)
@@ -316,7 +317,7 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          top_left=False, interpret=False, kv_align=8):
+          top_left=False, interpret=False, kv_align=8, seq_column=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -327,7 +328,7 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
-  n_cols = num_columns(page_tiles)
+  n_cols = num_columns(page_tiles or seq_column)
   paged_cap = None
   inputs = [q_offsets.astype(jnp.int32)]
   if paged_cache is not None:
@@ -341,7 +342,7 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
       page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
-      kv_align=kv_align)
+      kv_align=kv_align, seq_column=seq_column)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

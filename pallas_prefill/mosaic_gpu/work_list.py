@@ -46,7 +46,7 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
   kv_first = floor(i_kv_start)
   # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
   # negative start is no out-of-bounds zero fill but a wild row.
-  kv_last = jnp.maximum(floor(i_kv_start + i_kv_len + kv_align - 1) - block_kv, 0)
+  kv_last = jnp.maximum(floor(i_kv_start + i_kv_len + (kv_align - 1)) - block_kv, 0)
   if page_tiles:
     kv_last = jnp.full_like(kv_last, L.NO_SHIFT * 8)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
@@ -82,8 +82,10 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
 
 
 def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
-              paged_cache=None, page_tiles=False, top_left=False, kv_align=8):
-  """The per-item table [num_items, L.META_COLS] int32; each output row's column in the
+              paged_cache=None, page_tiles=False, top_left=False, kv_align=8,
+              seq_column=False):
+  """The per-item table [num_items, L.META_COLS] int32 (plus ``layout.SEQ``, the item's
+  sequence, with ``page_tiles`` or ``seq_column``: FP8 reads its scales by it); each output row's column in the
   per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
   number of items that store rows (the kernel runs those: they come first, heaviest
   first, and the rest of the table, whose items store nothing, after them).
@@ -145,7 +147,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
                       block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
                       top_left=top_left, kv_align=kv_align)
   lo, hi = cols[L.T_LO], cols[L.T_HI]
-  if page_tiles:
+  if page_tiles or seq_column:
     cols.append(jnp.where(live, seq, 0))
   table = jnp.stack(cols, axis=1).astype(jnp.int32)
   # Item k stores its rows [max(row, q_start), min(row + rows, q_end)), if any.

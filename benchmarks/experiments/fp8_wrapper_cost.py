@@ -1,0 +1,48 @@
+"""What the FP8 Mosaic GPU path costs around its kernel (issue 24), on the H200.
+
+    python -m benchmarks.experiments.fp8_wrapper_cost [--workloads skew16_16k short64]
+
+Per MHA workload: the whole FP8 call (``mha_prefill`` with per-head scales, the default
+backend), the same call in bf16, and the FP8 wrapper's V^T operand alone
+(``operands.fp8_operands``: V's non-key rows zeroed and V transposed), each the median of
+the harness's rounds (``run.bench_jax``). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+import pallas_prefill as pp
+from benchmarks import run
+from benchmarks import systems as sy
+from benchmarks import workloads as wl
+from pallas_prefill.mosaic_gpu import operands
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workloads", nargs="+", default=["equal4x4096", "skew16_16k", "short64"])
+  args = parser.parse_args()
+  print("| workload | bf16 call ms | FP8 call ms | FP8 V^T operand ms |")
+  print("|---|---|---|---|")
+  for name in args.workloads:
+    problem = sy.make_problem("mha", wl.WORKLOADS[name], 0)
+    f8 = sy.quantize_problem(problem)
+    p8, sc = f8.problem, f8.scales
+    mpl = problem.workload.max_len
+
+    def call(q, k, v, off, scales=None):
+      return pp.mha_prefill(q, k, v, off, max_prompt_len=mpl, **(scales or {}))
+
+    bf16 = run.bench_jax(jax.jit(call), [(problem.q, *problem.kv, problem.q_offsets)])
+    fp8 = run.bench_jax(jax.jit(call), [(p8.q, *p8.kv, p8.q_offsets, sc)])
+    scales = (sc["k_scale"], sc["v_scale"])
+    vt = run.bench_jax(jax.jit(lambda v, off, s: operands.fp8_operands(
+        v, off, None, s, block_kv=128)[0]), [(p8.kv[1], p8.q_offsets, scales)])
+    print(f"| {name} | {bf16 * 1e3:.3f} | {fp8 * 1e3:.3f} | {vt * 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+  main()
