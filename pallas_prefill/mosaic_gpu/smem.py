@@ -76,7 +76,9 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   fp8 = jnp.dtype(dtype).itemsize == 1
 
   def swizzle(shape):
-    return plgpu.SwizzleTransform(shape[-1] * jnp.dtype(dtype).itemsize)  # a row's bytes
+    # A row's bytes (at most 128, the largest swizzle: float32, which the kernel refuses,
+    # is only counted here).
+    return plgpu.SwizzleTransform(min(shape[-1] * jnp.dtype(dtype).itemsize, 128))
 
   def tiled(shape):
     return plgpu.SMEM(shape, dtype,
