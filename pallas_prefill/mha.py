@@ -114,7 +114,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   scales = fp8.scales(q, kv_arrays[0], kv_arrays[1], q_scale, k_scale, v_scale,
                       batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
   if scales is not None and output_dtype is None:
-    output_dtype = jnp.bfloat16 if fp8.is_fp8(q.dtype) else q.dtype
+    output_dtype = fp8.output_dtype_for(q.dtype)
   return jitted_mha_prefill(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
       **dispatch.static_options(

@@ -21,6 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.config import MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
+from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
 from pallas_prefill.mosaic_gpu.layout import CHUNK
@@ -36,7 +37,7 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: 
   need no check in bf16/f16: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in
   place, smaller ones gathered first (``operands.gathered_pages``). FP8 (``dtype`` K/V's,
   ``q_dtype`` Q's): e4m3 Q, K and V, not paged."""
-  if jnp.dtype(dtype).itemsize == 1:
+  if is_fp8(dtype):
     if jnp.dtype(dtype) != jnp.dtype(jnp.float8_e4m3fn):
       return (f"dtype {jnp.dtype(dtype).name}: the FP8 kernel takes float8_e4m3fn "
               "(the Triton kernel serves e5m2; 'auto' picks it)")
@@ -94,9 +95,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
   num_kv_heads, v_depth = v.shape[-2:]
   rows = L.COMPUTE_WGS * config.block_q
-  fp8 = jnp.dtype(v.dtype).itemsize == 1
   extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales,
-                               block_kv=config.block_kv) if fp8 else None
+                               block_kv=config.block_kv) if is_fp8(v.dtype) else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,

@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
+from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
@@ -126,7 +127,7 @@ class KernelSpec:
   def fp8(self) -> bool:
     """FP8 operands: Q.K and P.V as FP8 matrix products (V transposed, P through shared
     memory), the logits' dequantization factor and V's read per item (``Item``)."""
-    return jnp.dtype(self.dtype).itemsize == 1
+    return is_fp8(self.dtype)
 
   @property
   def pages(self) -> int:

@@ -75,7 +75,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
              config: MosaicConfig, paged_cache=None, block_table=None, interpret=False,
              top_left=False, fp8=None):
   """The work before the kernel: its operands (the work list, the scalars, the sink
-  weights if any, Q, K, V and ``v_tail``, FP8's scales by row); with ``return_lse``, each
+  weights if any, Q, K, V and ``v_tail``, FP8's scales); with ``return_lse``, each
   output row's LSE slot; and the persistent grid's size, which the unit order is chosen
   for. Arguments as ``mosaic_gpu.ragged_attention_mgpu``'s; ``fp8``: ``fp8_operands``
   (V^T replaces V); ``interpret`` runs ``work_items``' kernel in Mosaic GPU's interpret

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.config import MosaicConfig
+from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 
 # Pallas Mosaic GPU aligns every scratch buffer to this many bytes; a barrier takes 8.
@@ -73,7 +74,7 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
-  fp8 = jnp.dtype(dtype).itemsize == 1
+  fp8 = is_fp8(dtype)
 
   def swizzle(shape):
     # A row's bytes (at most 128, the largest swizzle: float32, which the kernel refuses,

@@ -195,7 +195,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   ops = Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
   rows = L.COMPUTE_WGS * block_q
-  n_cols = num_columns(page_tiles or seq_column)
+  n_cols = num_columns(seq_column)
   clip = jnp.clip
 
   def body(seq_bufs, scan_buf, mark, col_bufs, sort_buf):
@@ -248,7 +248,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                             block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
                             top_left=top_left, kv_align=kv_align)
-    if page_tiles or seq_column:
+    if seq_column:
       cols.append(jnp.where(live, seq, 0))
     lo, hi = cols[L.T_LO], cols[L.T_HI]
     stores = jnp.minimum(row + rows, i_q_start + i_q_len) > jnp.maximum(row, i_q_start)
@@ -328,7 +328,8 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
-  n_cols = num_columns(page_tiles or seq_column)
+  seq_column = seq_column or page_tiles  # paged tiles read the block table by it
+  n_cols = num_columns(seq_column)
   paged_cap = None
   inputs = [q_offsets.astype(jnp.int32)]
   if paged_cache is not None:

@@ -85,8 +85,8 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
               paged_cache=None, page_tiles=False, top_left=False, kv_align=8,
               seq_column=False):
   """The per-item table [num_items, L.META_COLS] int32 (plus ``layout.SEQ``, the item's
-  sequence, with ``page_tiles`` or ``seq_column``: FP8 reads its scales by it); each output row's column in the
-  per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
+  sequence, with ``page_tiles`` or ``seq_column``: FP8 reads its scales by it); each
+  output row's column in the per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
   number of items that store rows (the kernel runs those: they come first, heaviest
   first, and the rest of the table, whose items store nothing, after them).
 
