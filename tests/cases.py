@@ -165,14 +165,16 @@ def make_inputs(case: Case, seed: int):
   return (*arrays, jnp.asarray(q_off, case.offsets_dtype)), kwargs, int(q_off[-1])
 
 
-def to_pages(operands, kv_off, q_lens, page_size, rng):
+def to_pages(operands, kv_off, q_lens, page_size, rng, num_pages=None, max_pages=None):
   """Packed K/V operands -> PagedKVs over one shuffled block table. Sequence b's K/V rows
   kv_off[b]:kv_off[b+1] are its cache followed by its q_lens[b] new rows. Unused slots
-  hold NaN and unused table entries out-of-range page ids: neither may be read."""
+  hold NaN and unused table entries out-of-range page ids: neither may be read. The pool
+  has ``num_pages`` pages and the table ``max_pages`` columns (None: 3 and 1 more than
+  needed)."""
   kv_lens = np.diff(kv_off)
   pages_per_seq = -(-kv_lens // page_size)
-  num_pages = int(pages_per_seq.sum()) + 3
-  max_pages = int(pages_per_seq.max()) + 1
+  num_pages = int(pages_per_seq.sum()) + 3 if num_pages is None else num_pages
+  max_pages = int(pages_per_seq.max()) + 1 if max_pages is None else max_pages
   order = iter(rng.permutation(num_pages))
   table = np.full((len(kv_lens), max_pages), 10**6, np.int32)
   placed = []  # (page id, sequence, first row)
@@ -264,3 +266,46 @@ def mosaic_serves(case: Case) -> bool:
   the default tiles then fit shared memory, MHA at depth 256 with both the LSE and a
   float32 output included); contiguous or paged K/V."""
   return case.dtype in ("bfloat16", "float16")
+
+
+# Where a batch sits for the batch-invariance checks: behind a neighbour sequence of this
+# many query rows and keys (0 to 8: every alignment of its first row; 1003: a whole
+# prompt), in arrays of one size whatever the lead (one compilation).
+INVARIANCE_LEADS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 1003)
+
+
+def placed_inputs(case: Case, seed: int, lead: int, max_lead: int = max(INVARIANCE_LEADS)):
+  """The inputs of `case` (its data drawn from `seed`, as ``make_inputs`` draws them)
+  behind a neighbour sequence of `lead` query rows and `lead` keys of fresh data, with
+  fresh rows after them up to the size that ``max_lead`` needs; a paged cache over a pool
+  of one size whose pages are shuffled afresh for each lead. Returns (args, kwargs,
+  rows): the case's query rows are ``rows`` (a slice) of the outputs."""
+  base = dataclasses.replace(case, page_size=None)
+  args, kwargs, last_row = make_inputs(base, seed)
+  rng = np.random.default_rng([seed, lead])
+  *arrays, q_off = args
+  q_off = np.asarray(q_off).astype(np.int64)
+  kv_off = kwargs.pop("kv_input_row_offsets", None)
+  total_q = arrays[0].shape[0]
+
+  def around(x):  # fresh rows: `lead` before, max_lead - lead after
+    fresh = lambda n: jnp.asarray(rng.standard_normal((n,) + x.shape[1:]), x.dtype)  # noqa: E731
+    return jnp.concatenate([fresh(lead), x, fresh(max_lead - lead)])
+
+  arrays = [around(x) for x in arrays]
+  new_q_off = np.concatenate([[0], q_off + lead])
+  kwargs["max_prompt_len"] = max(kwargs["max_prompt_len"], max_lead)
+  if kv_off is not None:
+    kv_off = np.concatenate([[0], np.asarray(kv_off).astype(np.int64) + lead])
+  if case.page_size is not None:
+    kv_off = kv_off if kv_off is not None else new_q_off
+    ps = case.page_size
+    base_pages = -(-np.diff(kv_off)[1:] // ps)
+    num_pages = int(base_pages.sum()) + -(-max_lead // ps) + 3
+    max_pages = int(max(base_pages.max(), -(-max_lead // ps))) + 1
+    arrays = arrays[:1] + list(to_pages(arrays[1:], kv_off, np.diff(new_q_off), ps, rng,
+                                        num_pages=num_pages, max_pages=max_pages))
+  elif kv_off is not None:
+    kwargs["kv_input_row_offsets"] = jnp.asarray(kv_off, case.offsets_dtype)
+  q_off = jnp.asarray(new_q_off, case.offsets_dtype)
+  return (*arrays, q_off), kwargs, slice(lead, lead + min(last_row, total_q))

@@ -42,12 +42,17 @@ def test_harness_smoke_run_writes_results(tmp_path, capsys):
   assert set(got) == {("tiny", "pallas_prefill"), ("tiny", "xla_padded"),
                       ("tiny_paged", "pallas_prefill"),
                       ("tiny_paged", "pallas_prefill_contiguous")}
+  md = (tmp_path / "results.md").read_text()
   for r in got.values():
-    assert set(r) == {"kernel", "workload", "system", "backend", "ms", "tflops", "relerr",
-                      "correct"}
+    assert set(r) == {"kernel", "workload", "system", "backend", "ms", "tflops",
+                      "first_call_s", "relerr", "correct"}
     assert r["backend"] == ("" if r["system"] == "xla_padded" else "triton")
     assert r["correct"] and r["relerr"] < 1e-2 and r["ms"] > 0 and r["tflops"] > 0
-  assert "| mha | tiny | pallas_prefill | triton |" in (tmp_path / "results.md").read_text()
+    # The first call traces and compiles: slower than a timed call (interpret mode too).
+    assert r["first_call_s"] > r["ms"] / 1e3, r
+    assert (f"| mha | {r['workload']} | {r['system']} | {r['backend']} | {r['ms']:.3f} | "
+            f"{r['tflops']:.1f} | {r['first_call_s']:.3f} | {r['relerr']:.1e} | yes |") in md
+  assert "| first call s |" in md.splitlines()[0]
 
 
 def test_padded_and_soft_cap_systems_run_and_are_checked(monkeypatch, tmp_path, capsys):
@@ -87,7 +92,7 @@ def test_padded_and_soft_cap_systems_run_and_are_checked(monkeypatch, tmp_path, 
   md = (tmp_path / "mha" / "results.md").read_text()
   assert "| mha | tiny | pallas_prefill_padded | auto: triton |" in md
   # Every timing is _call_once's millisecond: each ratio is 1.
-  assert "| mha | tiny | 1.000 | 1.000 | - | - | 1.00x (xla_padded) |" in md
+  assert "| mha | tiny | 1.000 | 1.000 | - | - | 1.00x (xla_padded) | - | - |" in md
   assert "Ratios of time" not in (tmp_path / "mla" / "results.md").read_text()  # no pair
 
 
@@ -106,6 +111,93 @@ def test_comparisons_take_correct_rows_and_the_fastest_padded_anchor():
   assert c["cudnn_fp8_vs_fp8"] == pytest.approx(0.75)
   name, speedup = c["anchor_vs_padded"]
   assert name == "tokamax_mosaic" and speedup == pytest.approx(2.5)  # wrong rows skipped
+
+
+def _without_arrays(kind, workload):
+  """A Problem with its workload and kind but no arrays: what ``useful_flops`` and a
+  system's refusal read, for a workload too large to build on the CPU."""
+  return sy.Problem(kind, workload, *(None,) * 5)
+
+
+def test_long_context_workload_is_a_default_and_counts_its_flops(monkeypatch, tmp_path):
+  """``long16384`` (issue 25): one causal 16384-token prompt, MHA and MLA, in a run without
+  ``--workloads``; its useful FLOPs, counted by hand: 16384 * 16385 / 2 visible pairs,
+  times 2 * heads * (qk depth + v depth), MHA 32 heads of 128 + 128, MLA 128 heads of
+  192 + 128. XLA's padded call says why it cannot run it (its logits would take 32 GiB
+  for MHA)."""
+  cases = []
+  monkeypatch.setattr(run, "run_case", lambda kind, w, *_: cases.append((kind, w.name)))
+  run.main(["--systems", "pallas_prefill", "--out", str(tmp_path)])
+  assert {("mha", "long16384"), ("mla", "long16384")} <= set(cases)
+  w = wl.WORKLOADS["long16384"]
+  assert w.q_lens == (16384,) and w.kv_lens is None and w.page_size is None
+  assert w.mask == masks.CausalMask() and set(w.kernels) == {"mha", "mla"}
+  pairs = 16384 * 16385 // 2
+  assert wl.visible_pairs(w.q_lens, w.kv_lens, w.mask) == pairs == 134_225_920
+  assert sy.useful_flops(_without_arrays("mha", w)) == 2 * 32 * (128 + 128) * pairs
+  assert sy.useful_flops(_without_arrays("mla", w)) == 2 * 128 * (192 + 128) * pairs
+  for kind in ("mha", "mla"):
+    with pytest.raises(sy.Unavailable, match="would not fit"):
+      sy.prepare("xla_padded", [_without_arrays(kind, w)])
+
+
+def test_first_call_times_a_cold_trace_and_waits(monkeypatch):
+  """``run.first_call``: a call whose ``prepare`` lowered it already (as
+  ``systems.backend_ran`` does) is traced again, not served from JAX's caches; the backend
+  an auto system's call ran is read after it, from the caches; a torch system's first
+  call is waited for on its stream."""
+  traces = []
+
+  @jax.jit
+  def fn(x):
+    traces.append(1)
+    return x * 2
+
+  x = jnp.arange(3.0)
+  sy.backend_ran(fn, x)
+  assert len(traces) == 1
+  prepared = sy.Prepared(fn, [(x,), (x + 1,)], lambda out: out, auto_backend=True)
+  out, seconds = run.first_call(prepared)
+  assert len(traces) == 2 and seconds > 0
+  np.testing.assert_array_equal(out, 2 * x)  # the first input set's
+  assert prepared.read_backend().backend == "auto: triton" and len(traces) == 2
+  synced = []
+  fake = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: synced.append(1)))
+  monkeypatch.setattr(sy, "_torch", lambda: fake)
+  out, seconds = run.first_call(sy.Prepared(lambda v: v + 1, [(1,)], lambda o: o,
+                                            timer="torch"))
+  assert out == 2 and seconds > 0 and synced == [1]
+
+
+def test_comparisons_report_first_calls_and_fractions_of_the_matmul_rate():
+  """Ours' first call over cuDNN's packed and padded ones, and each of our correct rows'
+  useful TFLOP/s over the run's matmul rate (anchors and wrong rows left out), in
+  ``comparisons`` and in results.md's tables; without a matmul rate, no fractions."""
+  row = lambda system, first, tflops, correct=True, workload="long16384": dict(  # noqa: E731
+      kernel="mha", workload=workload, system=system, backend="", ms=1.0, tflops=tflops,
+      first_call_s=first, relerr=1e-3, correct=correct)
+  rows = [row("pallas_prefill_default", 6.0, 400.0), row("pallas_prefill_mosaic", 5.0, 500.0),
+          row("pallas_prefill", 9.0, 100.0, correct=False), row("cudnn_packed", 1.5, 600.0),
+          row("cudnn_padded", 2.0, 550.0), row("pallas_prefill_default", 1.0, 200.0,
+                                               workload="short64")]
+  long, short = run.comparisons(rows, matmul_tflops=800.0)
+  assert long["first_call_vs_cudnn_packed"] == pytest.approx(4.0)
+  assert long["first_call_vs_cudnn_padded"] == pytest.approx(3.0)
+  assert long["of_matmul"] == pytest.approx({"pallas_prefill_default": 0.5,
+                                             "pallas_prefill_mosaic": 0.625})
+  assert short["workload"] == "short64" and short["first_call_vs_cudnn_packed"] is None
+  assert short["of_matmul"] == pytest.approx({"pallas_prefill_default": 0.25})
+  [only] = run.comparisons(rows)  # no matmul rate: short64 has nothing to report
+  assert only["workload"] == "long16384" and only["of_matmul"] is None
+  md = run.markdown(rows, 800.0)
+  assert "| mha | long16384 | - | - | - | - | - | 4.000 | 3.000 |" in md
+  assert "| mha | short64 | - | - |" not in md  # no ratio for short64
+  assert "`matmul_tflops`: 800.0 TFLOP/s" in md
+  assert "| mha | long16384 | pallas_prefill_mosaic | 500.0 | 0.625 |" in md
+  assert "| mha | short64 | pallas_prefill_default | 200.0 | 0.250 |" in md
+  assert "| pallas_prefill | 100.0 |" not in md and "| cudnn_packed | 600.0 |" not in md
+  assert "| mha | long16384 | cudnn_packed |  | 1.000 | 600.0 | 1.500 | 1.0e-03 | yes |" in md
+  assert "of matmul" not in run.markdown(rows)
 
 
 def test_tuner_parses_mosaic_configs_and_extra_workloads_run_on_request():
@@ -416,7 +508,8 @@ def test_fp8_systems_run_beside_bf16_and_are_checked_against_the_dequantized_inp
   problem = sy.make_problem("mha", wl.WORKLOADS["tiny"], 0)
   dequantized = sy.quantize_problem(problem).dequantized()
   assert run.rel_err(sy.reference(problem), sy.reference(dequantized)) > 5 * fp8_row["relerr"]
-  assert "| mha | tiny | - | - | 1.000 | - | - |" in (tmp_path / "results.md").read_text()
+  assert "| mha | tiny | - | - | 1.000 | - | - | - | - |" in (
+      tmp_path / "results.md").read_text()
 
 
 def test_fp8_on_mla_is_not_run_where_mla_prefill_refuses_it(monkeypatch):
