@@ -111,7 +111,7 @@ def test_batch_beyond_the_launch_grid_is_refused():
 def test_triton_is_batch_invariant_in_interpret_mode(case):
   """The Triton kernel's KV tiles start at each sequence's first key: its rows are bitwise
   the same behind neighbours of several lengths (``cases.placed_inputs``; shuffled pages
-  each time). tests/test_gpu.py holds both backends to this compiled on the H200."""
+  each time). tests/test_gpu.py holds the compiled kernel to this on the H200."""
   entry, _ = cases.ENTRY_POINTS[case.kind]
   seed, leads = cases.fresh_seed(), (0, 1, 3, 8, 45)
   got = []
