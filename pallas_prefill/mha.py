@@ -69,10 +69,13 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       wherever it can serve the call, unless the tuned table for the device measured the
       Triton kernel faster for the case; the Triton kernel on other GPUs, for what Mosaic
       GPU refuses (float32 inputs; MHA at depth 256 with both a float32 output and the
-      LSE) and in interpret mode (the CPU). "triton": the Pallas Triton kernel, any NVIDIA
-      GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16, depths up to
-      256 (padded to a multiple of 64), packed, offset or paged K/V; NotImplementedError
-      says why a call it cannot serve is refused. A ``MhaConfig`` with "auto" picks
+      LSE), in interpret mode (the CPU) and in programs over several devices (inside
+      ``shard_map`` or a mesh of several, or inputs sharded over several: the Mosaic GPU
+      kernel has not run on more than one GPU yet, so tensor-parallel calls get the Triton
+      kernel unless they ask for "mosaic_gpu"). "triton": the Pallas Triton kernel, any
+      NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16,
+      depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
+      NotImplementedError says why a call it cannot serve is refused. A ``MhaConfig`` with "auto" picks
       Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
       and the handling of garbage offsets.
 

@@ -238,8 +238,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     output_dtype: default query's dtype (bfloat16 for an FP8 query).
     return_lse: also return the float32 natural-log log-sum-exp [batch, T, num_heads]
       (padding rows: -1e30).
-    backend: None or "auto" (Mosaic GPU on Hopper where it serves, else Triton),
-      "triton" or "mosaic_gpu", as in ``mha_prefill``.
+    backend: None or "auto" (Mosaic GPU on Hopper where it serves, Triton in programs
+      over several devices and elsewhere), "triton" or "mosaic_gpu", as in ``mha_prefill``.
     interpret: the Pallas interpreter; None: exactly on the CPU.
     config: None (the tuned default), or an ``MhaConfig`` / ``MosaicConfig`` as in
       ``mha_prefill``.

@@ -8,6 +8,11 @@ compiled program moves no Q, K, V or output between devices. Any other sharding 
 replicated, heads that do not divide evenly) is gathered and computed whole on every
 device: correct, not parallel. On one device the implementation is called directly, and
 inside ``shard_map`` (where each device already holds its shard) it is inlined unchanged.
+
+Where the program spans several devices (a mesh of more than one device around the call,
+as inside ``shard_map``, or a partition over several), ``backend="auto"`` is pinned to the
+Triton kernel (``several_devices``): the Mosaic GPU kernel has not run on more than one GPU
+yet (issue 26). "mosaic_gpu" and a ``MosaicConfig`` are kept.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_prefill.config import MosaicConfig
 from pallas_prefill.paged import PagedKV
 
 
@@ -69,6 +75,8 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
   """
   if not _may_partition():
     return fn(*operands, **static)
+  if _abstract_devices() > 1:  # shard_map's per-device programs, explicit meshes
+    static = several_devices(static)
   leaves, treedef = jax.tree.flatten(operands)
   leaf_roles = _leaf_roles(operands, roles)
   wrapped = _partitioned(fn, treedef, leaf_roles, tuple(out_roles), num_heads, num_kv_heads,
@@ -84,6 +92,22 @@ def _may_partition() -> bool:
   lower) calls the implementation directly."""
   mesh = jax.sharding.get_abstract_mesh()
   return mesh.size > 1 if not mesh.empty else jax.device_count() > 1
+
+
+def _abstract_devices() -> int:
+  """The devices of the abstract mesh around the call (0: none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 0 if mesh.empty else mesh.size
+
+
+def several_devices(static: dict) -> dict:
+  """The entry point's static options for a program over several devices: "auto" runs
+  the Triton kernel (the Mosaic GPU kernel has not run on more than one GPU yet, issue
+  26); an explicit backend, and "auto" with a ``MosaicConfig`` (which picks Mosaic GPU),
+  are kept."""
+  if static.get("backend") == "auto" and not isinstance(static.get("config"), MosaicConfig):
+    return dict(static, backend="triton")
+  return static
 
 
 def _head_factor(role, heads, num_kv_heads, group):
@@ -104,6 +128,9 @@ def _partitioned(fn, treedef, roles, out_roles, num_heads, num_kv_heads, static,
 
   def impl(*leaves):
     return fn(*jax.tree.unflatten(treedef, leaves), **static)
+
+  def impl_over_several(*leaves):
+    return fn(*jax.tree.unflatten(treedef, leaves), **several_devices(static))
 
   def rule_operand(i, role, ndim, heads):
     factors = [f"r{i}_{d}" for d in range(ndim)]
@@ -152,7 +179,8 @@ def _partitioned(fn, treedef, roles, out_roles, num_heads, num_kv_heads, static,
     axes = head_axes(mesh, arg_shapes)
     arg_shardings = tuple(sharding(mesh, axes, r, ndim, h)
                           for r, (ndim, h) in zip(roles, dims))
-    return mesh, impl, out_shardings(mesh, axes), arg_shardings
+    run = impl if mesh.size == 1 else impl_over_several
+    return mesh, run, out_shardings(mesh, axes), arg_shardings
 
   wrapped = custom_partitioning(impl)
   wrapped.def_partition(

@@ -909,6 +909,60 @@ def test_the_default_backend_on_an_h200(kind, max_prompt_len, dtype, depth, expe
   assert f"custom_call @{other}(" not in text
 
 
+def test_programs_over_several_devices_pin_auto_to_triton():
+  """Until the Mosaic GPU kernel has run on two GPUs (issue 26), "auto" runs the Triton
+  kernel in a program over several devices (``partitioning.several_devices``: a mesh of
+  several devices around the call, or a partition over several); an explicit backend and
+  a MosaicConfig are kept."""
+  from pallas_prefill import partitioning  # pylint: disable=g-import-not-at-top
+  pin = partitioning.several_devices
+  assert pin(dict(backend="auto", config=None, mask=None)) == dict(
+      backend="triton", config=None, mask=None)
+  assert pin(dict(backend="auto", config=pp.MhaConfig()))["backend"] == "triton"
+  for kept in (dict(backend="mosaic_gpu", config=None),
+               dict(backend="auto", config=pp.MosaicConfig()),
+               dict(backend="triton", config=None)):
+    assert pin(kept) == kept
+
+
+@pytest.mark.parametrize("backend,kernel", [("mosaic_gpu", "kernel_name="),
+                                            ("auto", "pallas_call")])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_inside_shard_map_over_two_h200s(kind, backend, kernel):
+  """Per-device head shards inside ``jax.shard_map`` over an abstract mesh of two H200s
+  trace with either kernel: Mosaic GPU's ``plgpu.kernel`` where asked for, and "auto"'s
+  Triton ``pallas_call`` (a mesh of several devices pins it: on one H200 "auto" is Mosaic
+  GPU), the outputs and LSE varying over the mesh axis as the head-sharded out_specs need
+  (shard_map checks it). Lowering needs the devices; the H200 pair runs it (issue 26)."""
+  S = jax.ShapeDtypeStruct  # noqa: N806
+  mesh = jax.sharding.AbstractMesh((2,), ("x",), abstract_device=(
+      jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                  platform="gpu")))
+  heads = jax.sharding.PartitionSpec(None, "x", None)
+  rep = jax.sharding.PartitionSpec()
+  kw = dict(max_prompt_len=512, interpret=False, backend=backend, return_lse=True)
+  if kind == "mha":
+    shapes = [(1000, 8, 128), (1000, 2, 128), (1000, 2, 128)]
+    specs = (heads, heads, heads)
+    fn = lambda q, k, v, o: pp.mha_prefill(q, k, v, o, **kw)  # noqa: E731
+  else:  # DeepSeek's shared rope key: one head, replicated
+    shapes = [(1000, 8, 192), (1000, 8, 128), (1000, 1, 64), (1000, 8, 128)]
+    specs = (heads, heads, rep, heads)
+    fn = lambda q, kn, kr, v, o: pp.mla_prefill(q, kn, kr, v, o, **kw)  # noqa: E731
+  args = [S(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+          for shape, spec in zip(shapes, specs)]
+  args.append(S((6,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, rep)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    per_device = jax.shard_map(fn, mesh=mesh, in_specs=(*specs, rep),
+                               out_specs=(heads, jax.sharding.PartitionSpec(None, "x")))
+    traced = jax.jit(per_device).trace(*args)
+  text = str(traced.jaxpr)
+  assert kernel in text
+  assert ("pallas_call" in text) == (kernel == "pallas_call")
+  out, lse = traced.out_info
+  assert out.shape == (1000, 8, 128) and lse.shape == (1000, 8)
+
+
 def _paged_mha(total_q=1000, page_size=64, num_pages=40, max_pages=12, batch=5):
   s = jax.ShapeDtypeStruct
   pages = s((num_pages, page_size, 2, 128), jnp.bfloat16)
