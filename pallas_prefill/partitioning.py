@@ -9,6 +9,11 @@ replicated, heads that do not divide evenly) is gathered and computed whole on e
 device: correct, not parallel. On one device the implementation is called directly, and
 inside ``shard_map`` (where each device already holds its shard) it is inlined unchanged.
 
+Operands whose types carry a sharding over a mesh with Explicit axes (``jax.make_mesh``'s
+default) cannot go through custom_partitioning (a Pallas kernel's refs refuse sharded
+types): they are resharded to the head split and run per device in ``jax.shard_map``
+(``_on_explicit_mesh``), which gives the same result and the same placement.
+
 Where the program spans several devices (a mesh of more than one device around the call,
 as inside ``shard_map``, or a partition over several), ``backend="auto"`` is pinned to the
 Triton kernel (``several_devices``): the Mosaic GPU kernel has not run on more than one GPU
@@ -23,7 +28,7 @@ import math
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pallas_prefill.config import MosaicConfig
 from pallas_prefill.paged import PagedKV
@@ -73,12 +78,16 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
     num_heads, num_kv_heads: the query and K/V head counts.
     **static: hashable keyword arguments of fn.
   """
+  leaves, treedef = jax.tree.flatten(operands)
+  leaf_roles = _leaf_roles(operands, roles)
+  explicit = _explicit_mesh(leaves)
+  if explicit is not None:
+    return _on_explicit_mesh(fn, treedef, leaves, leaf_roles, out_roles, explicit,
+                             num_heads=num_heads, num_kv_heads=num_kv_heads, static=static)
   if not _may_partition():
     return fn(*operands, **static)
   if _abstract_devices() > 1:  # shard_map's per-device programs, explicit meshes
     static = several_devices(static)
-  leaves, treedef = jax.tree.flatten(operands)
-  leaf_roles = _leaf_roles(operands, roles)
   wrapped = _partitioned(fn, treedef, leaf_roles, tuple(out_roles), num_heads, num_kv_heads,
                          tuple(sorted(static.items())),
                          tuple((x.ndim, x.shape[r.axis] if r else 0)
@@ -108,6 +117,59 @@ def several_devices(static: dict) -> dict:
   if static.get("backend") == "auto" and not isinstance(static.get("config"), MosaicConfig):
     return dict(static, backend="triton")
   return static
+
+
+def _explicit_mesh(leaves):
+  """The mesh of the first operand whose type carries a sharding over Explicit mesh axes
+  of more than one device, or None."""
+  for x in leaves:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if (mesh is not None and not mesh.empty and mesh.size > 1
+        and AxisType.Explicit in tuple(mesh.axis_types)):
+      return mesh
+  return None
+
+
+def _split_axes(mesh, spec, num_heads, num_kv_heads):
+  """The mesh axes a spec splits q's heads over, where the kernel can run on those shards
+  (the heads and K/V heads divide among them, or one K/V head); else None."""
+  axes = spec[1] if len(spec) > 1 else None
+  if axes is None:
+    return None
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  n = math.prod(mesh.shape[a] for a in axes)
+  splittable = num_kv_heads % n == 0 or num_kv_heads == 1
+  return axes if n > 1 and num_heads % n == 0 and splittable else None
+
+
+def _head_spec(axes, role, ndim, heads, num_kv_heads):
+  """An operand's (or output's) spec: its head axis over ``axes`` where its role splits
+  (K/V heads only when there are several, one per query-head group), the rest whole."""
+  spec = [None] * ndim
+  kv_split = heads == num_kv_heads and num_kv_heads > 1
+  if role is not None and axes is not None and (not role.kv or kv_split):
+    spec[ndim + role.axis] = axes
+  return P(*spec)
+
+
+def _on_explicit_mesh(fn, treedef, leaves, leaf_roles, out_roles, mesh, *, num_heads,
+                      num_kv_heads, static):
+  """``fn`` per device in ``jax.shard_map`` over an Explicit-axes mesh: the operands
+  resharded to q's head split (``_split_axes``; whole on every device where it cannot
+  split), the outputs split the same way; "auto" pinned (``several_devices``)."""
+  axes = _split_axes(mesh, jax.typeof(leaves[0]).sharding.spec, num_heads, num_kv_heads)
+  in_specs = tuple(_head_spec(axes, r, x.ndim, x.shape[r.axis] if r else 0, num_kv_heads)
+                   for x, r in zip(leaves, leaf_roles))
+  out_specs = tuple(_head_spec(axes, r, 3 if r == Q_HEADS else 2, num_heads, num_kv_heads)
+                    for r in out_roles)
+  pinned = several_devices(static)
+
+  def per_device(*shards):
+    return fn(*jax.tree.unflatten(treedef, shards), **pinned)
+
+  leaves = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(leaves, in_specs)]
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
+                       out_specs=out_specs if len(out_specs) > 1 else out_specs[0])(*leaves)
 
 
 def _head_factor(role, heads, num_kv_heads, group):

@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_prefill as pp
 from tests import cases
@@ -18,7 +18,12 @@ HEAD = P(None, "x", None)  # [tokens, heads, depth] split along heads
 COLLECTIVE = re.compile(r"all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter")
 
 
-def mesh(n):
+def mesh(n, explicit=False):
+  """n devices on axis "x": Auto axes (``Mesh``'s default), or Explicit ones
+  (``jax.make_mesh``'s default: the shardings are part of the arrays' types)."""
+  if explicit:
+    return jax.make_mesh((n,), ("x",), devices=jax.devices()[:n],
+                         axis_types=(AxisType.Explicit,))
   return Mesh(np.array(jax.devices()[:n]), ("x",))
 
 
@@ -83,11 +88,15 @@ def test_inside_shard_map_equals_single_device(case, n):
                     shared_rope=False),
     cases.Case(heads=8, kv_heads=4, kv_lens=(5, 1, 90, 100, 64, 50), page_size=16, lse=True),
 ], ids=["mha_gqa_sinks", "mha_mqa", "mla_shared_rope", "mla_per_head_rope", "mha_paged"])
-def test_jit_over_head_sharded_inputs_partitions_along_heads(case):
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_jit_over_head_sharded_inputs_partitions_along_heads(case, explicit):
+  """Head-sharded inputs under jit: each device computes its heads (no collective), the
+  output keeps the split. Over Explicit mesh axes the call runs per device in shard_map
+  (``partitioning._on_explicit_mesh``: custom_partitioning cannot take sharded types)."""
   args, kwargs = inputs(case)
   kernel, _ = cases.ENTRY_POINTS[case.kind]
   single = kernel(*args, config=CONFIG, **kwargs)
-  m = mesh(4)
+  m = mesh(4, explicit)
   arg_specs, kw_specs = specs(case, args, kwargs)
   if case.kv_heads == 1:
     arg_specs[1:3] = [P(), P()]
@@ -105,11 +114,12 @@ def test_jit_over_head_sharded_inputs_partitions_along_heads(case):
 
 @pytest.mark.parametrize("spec", [P("x", None, None), P(), P(None, None, "x")],
                          ids=["tokens", "replicated", "depth"])
-def test_other_shardings_give_the_right_answer(spec):
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_other_shardings_give_the_right_answer(spec, explicit):
   case = cases.Case(heads=8, kv_heads=4, lse=True, lens=(40, 1, 23), extra_rows=0)  # 64 rows
   args, kwargs = inputs(case)
   single = pp.mha_prefill(*args, config=CONFIG, **kwargs)
-  m = mesh(4)
+  m = mesh(4, explicit)
   q, k, v, off = args
   sharded = [put(m, x, spec) for x in (q, k, v)] + [put(m, off, P())]
   fn = jax.jit(lambda *a: pp.mha_prefill(*a, config=CONFIG, **kwargs))
