@@ -86,7 +86,7 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
                              num_heads=num_heads, num_kv_heads=num_kv_heads, static=static)
   if not _may_partition():
     return fn(*operands, **static)
-  if _abstract_devices() > 1:  # shard_map's per-device programs, explicit meshes
+  if _abstract_devices() > 1:  # shard_map's per-device programs, an abstract mesh
     static = several_devices(static)
   wrapped = _partitioned(fn, treedef, leaf_roles, tuple(out_roles), num_heads, num_kv_heads,
                          tuple(sorted(static.items())),
@@ -212,21 +212,10 @@ def _partitioned(fn, treedef, roles, out_roles, num_heads, num_kv_heads, static,
 
   def head_axes(mesh, arg_shapes):
     """The mesh axes q's heads are sharded over, if the kernel can run on those shards."""
-    spec = arg_shapes[0].sharding.spec
-    axes = spec[1] if len(spec) > 1 else None
-    if axes is None:
-      return None
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    n = math.prod(mesh.shape[a] for a in axes)
-    splittable = num_kv_heads % n == 0 or num_kv_heads == 1
-    return axes if n > 1 and num_heads % n == 0 and splittable else None
+    return _split_axes(mesh, arg_shapes[0].sharding.spec, num_heads, num_kv_heads)
 
   def sharding(mesh, axes, role, ndim, heads):
-    spec = [None] * ndim
-    kv_split = heads == num_kv_heads and num_kv_heads > 1
-    if role is not None and axes is not None and (not role.kv or kv_split):
-      spec[ndim + role.axis] = axes
-    return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, _head_spec(axes, role, ndim, heads, num_kv_heads))
 
   def out_shardings(mesh, axes):
     shards = tuple(sharding(mesh, axes, r, n, num_heads) for r, n in zip(out_roles, out_ndims))
