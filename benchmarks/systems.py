@@ -314,12 +314,9 @@ FP8_TOLERANCE = 5e-2
 
 
 def fp8_scale(x, groups):
-  """The absmax dequantization scale of x [rows, heads, depth], one per group of
-  heads // groups consecutive heads (``pp.fp8.quantize``'s rule): float32 [groups], a
-  scalar when groups is 1."""
-  top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
-  scale = jnp.where(top > 0, top / fp8.FP8_MAX[jnp.dtype(FP8_DTYPE)], 1.0)
-  return scale.astype(jnp.float32).reshape(() if groups == 1 else (groups,))
+  """``pp.fp8.absmax_scale`` of x [rows, heads, depth] for FP8_DTYPE, one per group of
+  heads // groups consecutive heads: float32 [groups], a scalar when groups is 1."""
+  return fp8.absmax_scale(x, groups, FP8_DTYPE).reshape(() if groups == 1 else (groups,))
 
 
 def _per_head(scale, heads):

@@ -80,9 +80,17 @@ def output_dtype_for(q_dtype):
   return jnp.dtype(jnp.bfloat16) if is_fp8(q_dtype) else jnp.dtype(q_dtype)
 
 
+def absmax_scale(x, groups=None, dtype=jnp.float8_e4m3fn):
+  """The absmax dequantization scale of x [rows, heads, depth], float32 [groups]: one per
+  group of heads // groups consecutive heads (None: one per head), the group's largest
+  magnitude over the dtype's largest value (1 for an all-zero group)."""
+  groups = x.shape[1] if groups is None else groups
+  top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
+  return jnp.where(top > 0, top / FP8_MAX[jnp.dtype(dtype)], 1.0).astype(jnp.float32)
+
+
 def quantize(x, dtype=jnp.float8_e4m3fn):
   """Per-head absmax quantization of x [rows, heads, depth]: (x8, scale [heads] float32)
   with x ~= x8 * scale and each head's largest magnitude at the dtype's largest value."""
-  top = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 2))
-  scale = jnp.where(top > 0, top / FP8_MAX[jnp.dtype(dtype)], 1.0).astype(jnp.float32)
+  scale = absmax_scale(x, dtype=dtype)
   return (x.astype(jnp.float32) / scale[None, :, None]).astype(dtype), scale
