@@ -274,6 +274,13 @@ def mosaic_serves(case: Case) -> bool:
 INVARIANCE_LEADS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 1003)
 
 
+def rows_bits(result, rows):
+  """The rows `rows` of a call's (output, LSE) as their raw bits: equal bits are the
+  same values, NaN and signed zeros included."""
+  return [np.asarray(x[rows]).view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+          for x in result]
+
+
 def placed_inputs(case: Case, seed: int, lead: int, max_lead: int = max(INVARIANCE_LEADS)):
   """The inputs of `case` (its data drawn from `seed`, as ``make_inputs`` draws them)
   behind a neighbour sequence of `lead` query rows and `lead` keys of fresh data, with

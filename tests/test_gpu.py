@@ -258,15 +258,6 @@ INVARIANCE_GPU_CASES = [
 ]
 
 
-def _bits(x):
-  return np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
-def _rows_bits(result, rows):
-  """The output and LSE rows `rows` of a call's (output, LSE), as raw bits."""
-  return [_bits(x[rows]) for x in result]
-
-
 @pytest.mark.parametrize("case", INVARIANCE_GPU_CASES, ids=lambda c: c.name)
 def test_triton_batch_invariant(case, backend="triton"):
   """The same sequences behind a neighbour of 0 to 8 rows and behind a whole prompt
@@ -280,7 +271,7 @@ def test_triton_batch_invariant(case, backend="triton"):
     args, kwargs, rows = cases.placed_inputs(case, seed, lead)
     poison_device_memory()
     result = entry(*args, interpret=False, backend=backend, **kwargs)
-    got = _rows_bits(result, rows)
+    got = cases.rows_bits(result, rows)
     if first is None:
       first = got
       cases.check_outputs(case, result, reference(*args, **kwargs),
@@ -299,7 +290,7 @@ def test_triton_rows_do_not_depend_on_max_prompt_len(kind, backend="triton"):
   entry, _ = cases.ENTRY_POINTS[case.kind]
   args, kwargs, rows = cases.make_inputs(case, seed := cases.fresh_seed())
   rows = slice(0, rows)
-  short, long = (_rows_bits(entry(*args, interpret=False, backend=backend,
+  short, long = (cases.rows_bits(entry(*args, interpret=False, backend=backend,
                                   **dict(kwargs, max_prompt_len=n)), rows)
                  for n in (700, 4096))
   for a, b, what in zip(short, long, ("output", "LSE")):
