@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,13 @@ class MosaicOptions:
       rows past the last offset, queries that see no key) loads no Q tile and waits for
       none: it only stores its zeros. An experiment of issue 23, off until the H200 has
       run it (BUILD_NOTES.md).
+    batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
+      wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
+      are bitwise the same whatever its neighbours (the online softmax then sums the
+      same keys in the same tiles); False: tiles start at the first key rounded down to
+      8 rows, the last one shifted back to end in the 8-row group of the last key (the
+      kernel before issue 25). FP8 keeps aligned tiles (its V^T tiles start at multiples
+      of 16 keys, TMA's alignment) and so is not batch invariant.
   """
 
   dynamic: bool = True
@@ -75,10 +83,11 @@ class MosaicOptions:
   fold_scale: bool = True
   tile_spans_pages: bool = True
   skip_keyless_q: bool = False
+  batch_invariant: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
-                 "skip_keyless_q"):
+                 "skip_keyless_q", "batch_invariant"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):
@@ -168,12 +177,24 @@ def _tuned_entry(tables, qk_depth, v_depth, dtype, mask, max_prompt_len):
 PAGED_MIN_BLOCK_KV = 64
 
 
+def _length_free_entry(tables, qk_depth, v_depth, dtype, mask):
+  """The tuned entry for the long prompts, else the short prompts' (or None): one for
+  every max_prompt_len. The KV tiles decide how a sequence's keys are summed, and so its
+  output's bits, which must not depend on the batch's longest prompt
+  (``MosaicOptions.batch_invariant``)."""
+  entry = functools.partial(_tuned_entry, tables, qk_depth, v_depth, dtype, mask)
+  long = entry(LONG_PROMPT + 1)
+  return long if long is not None else entry(1)
+
+
 def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
                           max_prompt_len: int) -> MosaicConfig:
-  """The Mosaic GPU configuration ``config=None`` uses: the tuned entry for the device, else
-  128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows of K and V
-  would not fit shared memory twice over (MLA's 192 + 128)."""
-  tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
+  """The Mosaic GPU configuration ``config=None`` uses, the same for every
+  ``max_prompt_len`` (batch invariance: ``_length_free_entry``): the tuned entry for the
+  device, else 128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows
+  of K and V would not fit shared memory twice over (MLA's 192 + 128)."""
+  del max_prompt_len  # (the tiles must not depend on it)
+  tuned = _length_free_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask)
   if tuned is not None:
     return MosaicConfig(*tuned[:4])
   if (qk_depth + v_depth) * jnp.dtype(dtype).itemsize * 128 * 2 > 128 * 1024:
@@ -204,12 +225,16 @@ HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
                    paged: bool = False) -> bool:
   """Whether ``backend="auto"`` keeps the Triton kernel on a Hopper GPU for a call that
-  Mosaic GPU can serve: where the tuned table for the device measured Triton faster (an
-  entry whose last field is False). Never on a paged cache (Mosaic GPU measured 1.36x to
-  2.0x Triton on every paged workload of the harness, short prompts included:
-  BUILD_NOTES.md). A case the table lacks runs Mosaic GPU."""
-  tuned = _tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, max_prompt_len)
-  return tuned is not None and not tuned[4] and not paged
+  Mosaic GPU can serve: where the tuned table for the device measured Triton faster for
+  both short and long prompts (entries whose last field is False), so that the backend,
+  and with it a sequence's output bits, does not depend on the batch's longest prompt
+  (``max_prompt_len``, kept for the signature). Never on a paged cache (Mosaic GPU
+  measured 1.36x to 2.0x Triton on every paged workload of the harness, short prompts
+  included: BUILD_NOTES.md). A case the table lacks runs Mosaic GPU."""
+  del max_prompt_len
+  tuned = [_tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, n)
+           for n in (1, LONG_PROMPT + 1)]
+  return all(t is not None and not t[4] for t in tuned) and not paged
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

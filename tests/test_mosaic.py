@@ -77,9 +77,11 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   scale = kwargs["scale"] if kwargs["scale"] is not None else depth ** -0.5
   sink = kwargs.get("sink_weights")
   bq, bkv = config.block_q, config.block_kv
+  align = operands.kv_align(config, fp8=False)
+  unit = dict(block_kv=bkv, unit=layout.kv_unit(align))
   table, lse_slot, kv_end, n_live = xla_work_list.work_list(
       q_off, kv_rows(kv_off), total_q, total_kv, mask=mask, block_q=bq, block_kv=bkv,
-      paged_cache=paged_cache, page_tiles=native is not None)
+      paged_cache=paged_cache, page_tiles=native is not None, kv_align=align)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
@@ -105,7 +107,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
     t = table[w]
     q_start, q_len = t[c("Q_START")], t[c("Q_LEN")]
     kv_start, kv_len = t[c("KV_START")], t[c("KV_LEN")]
-    kv_row8, kv_last8 = t[c("KV_ROW8")], t[c("KV_LAST8")]
+    kv_row, kv_last = t[c("KV_ROW")], t[c("KV_LAST")]
     item_lo, item_hi = t[c("T_LO")], t[c("T_HI")]
     for g in range(layout.COMPUTE_WGS):
       t_lo, u_lo, u_hi, t_hi = t[c("WG_COLS") + 4 * g:c("WG_COLS") + 4 * g + 4]
@@ -121,7 +123,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       l = np.full(bq, 1.0 if sink is not None else 0.0)
       acc = np.zeros((bq, dv))
       for i in range(t_lo, t_hi):
-        start = int(mosaic_kernel.tile_first_row(kv_row8, kv_last8, i, block_kv=bkv))
+        start = int(mosaic_kernel.tile_first_row(kv_row, kv_last, i, **unit))
         if native is not None:
           # Positions [start, start + bkv) of the sequence, inside one page.
           # (pieces of them from consecutive pages where the tile is larger than a page)
@@ -143,14 +145,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
           s = cap * np.tanh(s / cap)
         q_pos = row_pos + np.arange(bq)[:, None]
         k_pos = start - kv_start + np.arange(bkv)[None, :]
-        vis = np.asarray(mosaic_kernel.visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start,
-                                             kv_len, block_kv=bkv))
+        vis = np.asarray(mosaic_kernel.visible_keys(mask, q_pos, k_pos, i, kv_row, kv_start,
+                                                    kv_len, **unit))
         if u_lo <= i < u_hi:
           assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
         vt = tile(v, kvh)
         if native is not None:
           if i == max(kv_len - 1, 0) // bkv:  # the sequence's last tile, from v_last
             vt = np.where((start + np.arange(bkv) < kv_len)[:, None], vt, 0.0)
+        elif align == 1:  # a tile past the last key from v_tail: zeros past it
+          vt[start + np.arange(bkv) >= kv_end] = 0.0
         elif start == 0 and kv_end // 8 < bkv // 8 - 1:  # the tile at row 0, from v_tail
           vt[np.arange(bkv) >= kv_end] = 0.0
         elif start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
@@ -279,6 +283,57 @@ def test_schedule_matches_reference_on_random_batches():
                    tag=f"seed={seed} {case.name} {config}")
 
 
+# Batch invariance (issue 25): a sequence's rows bitwise the same wherever it sits.
+INVARIANCE_CASES = [
+    cases.Case(lens=(300, 7, 129), head_dim=64, sink=True, lse=True, config=None),
+    cases.Case(lens=(70, 1, 200), kv_lens=(300, 1, 264), head_dim=64, lse=True,
+               mask=masks.SlidingWindowCausalMask(100), config=None),
+    cases.Case(kind="mla", lens=(150, 9), heads=2, kv_heads=2, head_dim=64, rope_dim=64,
+               mask=masks.ChunkedCausalMask(64), lse=True, config=None),
+    # a paged cache read in place (64-row pages) and gathered (16-row pages)
+    cases.Case(lens=(70, 200), kv_lens=(300, 264), head_dim=64, page_size=64, lse=True,
+               config=None),
+    cases.Case(lens=(70, 200), kv_lens=(300, 264), head_dim=64, page_size=16,
+               mask=masks.NullMask(), config=None),
+]
+EMULATED_LEADS = (*range(9), 203)  # every alignment, and behind a whole prompt
+
+
+def emulated_placements(case, config, seed, leads=EMULATED_LEADS):
+  """The emulated kernel's (output, LSE) rows of `case`'s sequences behind each lead
+  (``cases.placed_inputs``)."""
+  got = []
+  for lead in leads:
+    args, kwargs, rows = cases.placed_inputs(case, seed, lead, max(leads))
+    out, lse = emulate(case, args, kwargs, config)
+    got.append((out[rows], lse[rows]))
+  return got
+
+
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=lambda c: c.name)
+def test_schedule_is_batch_invariant(case):
+  """With the default tiles (``MosaicOptions.batch_invariant``) the schedule sums the same
+  keys in the same tiles wherever the sequences sit: bitwise the same rows in float64
+  behind a neighbour of 0 to 8 rows or a whole prompt, with shuffled pages (the H200 runs
+  the kernel itself the same way, tests/test_gpu.py)."""
+  seed = cases.fresh_seed()
+  got = emulated_placements(case, pp.MosaicConfig(block_kv=128), seed)
+  for lead, (out, lse) in zip(EMULATED_LEADS[1:], got[1:]):
+    np.testing.assert_array_equal(out, got[0][0], err_msg=f"lead {lead} seed={seed}")
+    np.testing.assert_array_equal(lse, got[0][1], err_msg=f"lead {lead} seed={seed}")
+
+
+def test_aligned_tiles_move_with_the_sequence():
+  """The check above can fail: tiles at multiples of 8 rows
+  (``MosaicOptions(batch_invariant=False)``) cut a sequence's keys where its first row
+  falls, and its rows change with it (while staying correct)."""
+  seed = cases.fresh_seed()
+  config = pp.MosaicConfig(block_kv=128, options=pp.MosaicOptions(batch_invariant=False))
+  (out0, _), (out3, _) = emulated_placements(INVARIANCE_CASES[0], config, seed, (0, 3))
+  assert not np.array_equal(out0, out3), f"seed={seed}"
+  assert cases.rel_err(out3, out0) < 1e-12, f"seed={seed}"
+
+
 def test_work_list_covers_garbage_offsets_once():
   """Any offsets (jit gives no validation) give items whose stored rows cover every row
   exactly once, and no negative TMA row."""
@@ -297,7 +352,7 @@ def test_work_list_covers_garbage_offsets_once():
         first = np.clip(t[layout.Q_START] - row, 0, 64)
         n = np.clip(t[layout.Q_START] + t[layout.Q_LEN] - row, 0, 64) - first
         covered[row + first:row + first + n] += 1
-      assert t[layout.KV_LAST8] >= 0 and t[layout.KV_ROW8] >= 0
+      assert t[layout.KV_LAST] >= 0 and t[layout.KV_ROW] >= 0
     assert (covered == 1).all(), (off, covered)
     assert np.asarray(slot).shape == (total,)
 
@@ -601,6 +656,22 @@ def test_default_configs_fit_shared_memory():
 
 
 
+@pytest.mark.parametrize("mask", [masks.CausalMask(), masks.NullMask(),
+                                  masks.SlidingWindowCausalMask(128)])
+def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
+  """Batch invariance: the batch's longest prompt picks neither other KV tiles nor another
+  backend (either would change a sequence's output bits), on the H200 where the tuned
+  tables' short and long entries differ (MLA's KV tiles, MHA's verdict at depth 64)."""
+  from tests.test_lowering import H200_MESH  # pylint: disable=g-import-not-at-top
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    assert config_lib.device_kind() in config_lib.TUNED_MOSAIC
+    for qk, v in ((64, 64), (128, 128), (192, 128), (256, 256)):
+      for dtype in (jnp.bfloat16, jnp.float16):
+        calls = [(config_lib.default_mosaic_config(qk, v, dtype, mask, n),
+                  config_lib.prefers_triton(qk, v, dtype, mask, n)) for n in (64, 4096)]
+        assert calls[0] == calls[1], (qk, v, dtype, calls)
+
+
 def test_one_output_buffer_where_shared_memory_holds_no_more():
   """MLA's 192 + 128 with 128-row K/V tiles in two stages leaves room for one 64-column
   output buffer per warpgroup (filled and stored a column chunk at a time), the LSE's
@@ -883,15 +954,17 @@ def test_no_operand_is_copied_for_row_counts_not_multiples_of_8():
     ("mha", 64, "float16", 128, MOSAIC_CALL),
     ("mha", 4096, "bfloat16", 64, MOSAIC_CALL),
     ("mha", 64, "bfloat16", 256, MOSAIC_CALL),
-    # MHA at depth 64 on short prompts: Triton measured faster (122 against 111)
-    ("mha", 64, "bfloat16", 64, "__gpu$xla.gpu.triton"),
+    # MHA at depth 64 on short prompts: Triton measured faster (122 against 111), but
+    # not on long ones, and the backend must not depend on max_prompt_len (invariance)
+    ("mha", 64, "bfloat16", 64, MOSAIC_CALL),
     ("mha", 4096, "float32", 128, "__gpu$xla.gpu.triton"),  # Mosaic GPU cannot serve float32
     ("mla", 4096, "bfloat16", 128, MOSAIC_CALL),
     ("mla", 64, "bfloat16", 128, MOSAIC_CALL),
 ])
 def test_the_default_backend_on_an_h200(kind, max_prompt_len, dtype, depth, expect):
   """The default call (no backend argument: "auto") runs Mosaic GPU on an H200 wherever
-  it serves the call, unless the tuned table measured Triton faster for the case."""
+  it serves the call, unless the tuned table measured Triton faster for the case at
+  both prompt lengths."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
   kwargs = dict(max_prompt_len=max_prompt_len, interpret=False)

@@ -31,6 +31,7 @@ class WorkCase:
   paged: tuple | None = None  # (cache lengths, capacity, page_tiles)
   extra_rows: int = 9  # query rows past offsets[-1]
   fp8: bool = False  # FP8's table: KV tiles at multiples of 16 keys, the sequence column
+  aligned: bool = False  # KV tiles at multiples of 8 (MosaicOptions(batch_invariant=False))
 
   @property
   def name(self):
@@ -38,7 +39,7 @@ class WorkCase:
             f"-bkv{self.block_kv}-p{self.programs}{'-kv' if self.kv_lens else ''}"
             f"{'-garbage' if self.garbage else ''}"
             f"{'-paged' + str(self.paged[2]) if self.paged else ''}"
-            f"{'-fp8' if self.fp8 else ''}")
+            f"{'-fp8' if self.fp8 else ''}{'-aligned' if self.aligned else ''}")
 
 
 _RNG = np.random.default_rng(7)
@@ -78,6 +79,10 @@ FP8_WORK_CASES = [
              fp8=True),
     WorkCase(_SHORT[:40], garbage=True, heads=8, group=8, fp8=True),
 ]
+# Aligned KV tiles (``MosaicOptions(batch_invariant=False)``): multiples of 8, the last
+# one shifted back
+ALIGNED_WORK_CASES = [
+    dataclasses.replace(WORK_CASES[i], aligned=True) for i in (0, 1, 4, 8, 10, 12, 14, 15)]
 
 
 def _offsets(lens):
@@ -105,9 +110,13 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
             paged_cache=paged, page_tiles=page_tiles)
   if case.fp8:
     kw.update(kv_align=16, seq_column=True)
+  elif case.aligned:
+    kw.update(kv_align=8)
   table, _, kv_end, n_live = xla_work_list.work_list(off, kv_rows(kv_off), total_q, total_kv, **kw)
   if case.fp8:
     check_fp8_tiles(np.asarray(table), case.block_kv, len(case.lens))
+  elif not case.aligned:
+    check_invariant_tiles(np.asarray(table), page_tiles)
   programs = min(case.programs, case.heads * table.shape[0])
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
@@ -128,12 +137,20 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   assert not rest.any()  # layout.S_NEXT among them: the claims start at 0
 
 
+def check_invariant_tiles(table, page_tiles):
+  """Batch-invariant tiles: KV tile i of an item starts at its sequence's first key plus
+  i * block_kv (``KV_ROW`` in rows; a paged cache's positions from 0), never shifted back."""
+  want = 0 if page_tiles else table[:, layout.KV_START]
+  np.testing.assert_array_equal(table[:, layout.KV_ROW], want)
+  assert (table[:, layout.KV_LAST] == layout.NO_SHIFT_ROW).all()
+
+
 def check_fp8_tiles(table, block_kv, batch):
   """FP8's table: every KV tile starts at a multiple of 16 keys, the tiles of an item with
   any cover its sequence's keys, and the sequence column names a sequence (or the rows
   past the last offset, one more: the kernel clamps it)."""
-  first = table[:, layout.KV_ROW8] * 8
-  last = table[:, layout.KV_LAST8] * 8
+  first = table[:, layout.KV_ROW] * 8
+  last = table[:, layout.KV_LAST] * 8
   assert not (first % 16).any() and not (last % 16).any()
   start, length = table[:, layout.KV_START], table[:, layout.KV_LEN]
   has = (table[:, layout.T_HI] > table[:, layout.T_LO]) & (length > 0)
@@ -143,7 +160,8 @@ def check_fp8_tiles(table, block_kv, batch):
   assert ((table[:, layout.SEQ] >= 0) & (table[:, layout.SEQ] <= batch)).all()
 
 
-@pytest.mark.parametrize("case", WORK_CASES + FP8_WORK_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", WORK_CASES + FP8_WORK_CASES + ALIGNED_WORK_CASES,
+                         ids=lambda c: c.name)
 def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
 

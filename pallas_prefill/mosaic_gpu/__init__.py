@@ -113,7 +113,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       out_dtype=jnp.dtype(output_dtype), page_size=page_size,
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
       dynamic=config.options.dynamic, split=config.split_units,
-      fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q)
+      fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
+      kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call

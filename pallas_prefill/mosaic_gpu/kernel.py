@@ -26,13 +26,18 @@ The ragged parts, which the dense kernel has none of:
   is one product per 64 columns of V, each into its own accumulator. An item starts at its
   sequence's first row rounded down to 8; the rows before it (a neighbour's) and past the
   sequence are computed and never stored.
-- KV tile i starts at the sequence's first key rounded down to 8, plus i * block_kv, but
-  no later than ``max(ceil8(kv_end) - block_kv, 0)`` (``tile_first_row``): the last tile
-  is shifted back to end in the 8-row group of the last key, so it reads no K/V row past
-  that group. The keys it repeats and those before the sequence are masked
-  (``visible_keys``). Rows past the batch's last key may hold anything, NaN included, and
-  0 * NaN would poison P.V: the group holding that key comes from ``v_tail``, rows past
-  the key zeroed (``operands``).
+- KV tile i starts at the sequence's first key plus i * block_kv (``tile_first_row``;
+  ``MosaicOptions.batch_invariant``, the default): the same keys in the same tiles
+  wherever the sequence sits in the packed arrays, so that its output and LSE do not
+  depend on its neighbours. The last tile runs past the sequence's keys into the
+  neighbour's rows (masked, ``visible_keys``) and past the array's end (TMA fills zeros).
+  Rows past the batch's last key may hold anything, NaN included, and 0 * NaN would
+  poison P.V: a V tile that runs past that key comes from ``v_tail``, V's rows around it
+  with the rows past it zeroed (``operands``). Without the option (and for FP8, whose
+  V^T tiles start at multiples of 16 keys) a tile starts at the first key rounded down
+  to 8 (16), and no later than ``max(ceil8(kv_end) - block_kv, 0)``: the last tile is
+  shifted back to end in the 8-row group of the last key, whose V rows come from
+  ``v_tail``; the keys it repeats and those before the sequence are masked.
 - Outputs are stored row-exact with a ladder of TMA stores (block_q, block_q/2, ..., 1
   rows, for each 64-column output buffer), as JAX's ragged_dot does, so no store touches
   a neighbour's rows. The LSE goes to a per-item buffer that XLA gathers back into rows.
@@ -92,7 +97,9 @@ class KernelSpec:
   sequence's last V tile, and the block table follows it); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
   (``attend_tile``); top_left: queries from position 0 (else kv_len - q_len);
-  skip_keyless_q: ``MosaicOptions.skip_keyless_q``.
+  skip_keyless_q: ``MosaicOptions.skip_keyless_q``; kv_unit: the unit of the work list's
+  KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
+  (batch invariant), 8 where at a multiple of 8 or 16.
   """
 
   parts: tuple
@@ -118,6 +125,7 @@ class KernelSpec:
   soft_cap: float | None = None
   top_left: bool = False
   skip_keyless_q: bool = False
+  kv_unit: int = 8
 
   @property
   def chunks(self):
@@ -143,8 +151,8 @@ class KernelSpec:
 class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
-  V (FP8: transposed, [num_kv_heads, v_depth, rows]), ``v_tail``, the block table (paged
-  only, else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor
+  V (FP8: transposed, [num_kv_heads, v_depth, rows]), ``v_tail`` (None for FP8), the
+  block table (paged only, else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor
   and V's, else None), the output and the per-item LSE (or None)."""
 
   meta: object
@@ -166,7 +174,8 @@ class Refs:
     sink = refs.pop(0) if spec.has_sink else None
     q, refs = refs[:spec.n_q], refs[spec.n_q:]
     k, refs = refs[:spec.n_k], refs[spec.n_k:]
-    v, v_tail, *refs = refs
+    v = refs.pop(0)
+    v_tail = None if spec.fp8 else refs.pop(0)
     table = refs.pop(0) if spec.page_size is not None else None
     qk_scale, v_scale = (refs.pop(0), refs.pop(0)) if spec.fp8 else (None, None)
     return cls(meta=meta_ref, scalars=scalar_ref, sink=sink, q=q, k=k, v=v, v_tail=v_tail,
@@ -174,16 +183,18 @@ class Refs:
                qk_scale=qk_scale, v_scale=v_scale)
 
 
-def tile_first_row(kv_row8, kv_last8, i, *, block_kv):
-  """KV tile i's first row in the K/V arrays, a multiple of 8 (see ``work_list``)."""
-  return jnp.minimum(kv_row8 + i * (block_kv // 8), kv_last8) * 8
+def tile_first_row(kv_row, kv_last, i, *, block_kv, unit):
+  """KV tile i's first row in the K/V arrays from the work list's ``KV_ROW`` and
+  ``KV_LAST`` (in units of ``unit`` rows, ``layout.kv_unit``; see ``work_list``)."""
+  return jnp.minimum(kv_row + i * (block_kv // unit), kv_last) * unit
 
 
-def visible_keys(mask, q_pos, k_pos, i, kv_row8, kv_start, kv_len, *, block_kv):
+def visible_keys(mask, q_pos, k_pos, i, kv_row, kv_start, kv_len, *, block_kv, unit):
   """Which (query, key) pairs of KV tile i a masked step keeps: keys of the sequence
-  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had (a shifted last
-  tile repeats some; the first tile starts up to 7 rows before the sequence)."""
-  fresh = jnp.maximum(kv_row8 * 8 + i * block_kv - kv_start, 0)
+  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had (with aligned
+  tiles, a shifted last tile repeats some and the first starts up to 7 rows before the
+  sequence)."""
+  fresh = jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
@@ -196,7 +207,7 @@ def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
       out_dtype=spec.out_dtype, out_buffers=spec.out_buffers, has_lse=spec.has_lse,
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
-      paged=spec.page_size is not None)
+      paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1)
 
   def roles(scratch: smem.Scratch):
     wg = lax.axis_index("wg")
@@ -369,8 +380,8 @@ class Item:
   row_pos: object
   kv_start: object
   kv_len: object
-  kv_row8: object
-  kv_last8: object
+  kv_row: object
+  kv_last: object
   base: object
   qk_scale: object = None  # FP8: the logit factor (softmax scale and log2(e) included)
   v_scale: object = None  # FP8: V's dequantization scale, which multiplies the output
@@ -436,7 +447,7 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   its sequence's scales (the logits' times the softmax scale and log2(e))."""
   h, w, meta, item_lo, item_hi, half = units.item_of(hw)
   kv_start, kv_len = meta(L.KV_START), meta(L.KV_LEN)
-  kv_row8, kv_last8 = meta(L.KV_ROW8), meta(L.KV_LAST8)
+  kv_row, kv_last = meta(L.KV_ROW), meta(L.KV_LAST)
   q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
   col = lambda j: meta(L.WG_COLS + 4 * half + j)  # noqa: E731
   t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
@@ -454,7 +465,7 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
                   v_scale=refs.v_scale[seq, kv_head])
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
-              kv_start=kv_start, kv_len=kv_len, kv_row8=kv_row8, kv_last8=kv_last8, base=base,
+              kv_start=kv_start, kv_len=kv_len, kv_row=kv_row, kv_last=kv_last, base=base,
               **scales)
 
 
@@ -550,10 +561,10 @@ def mask_scores(spec, item: Item, i, s):
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (spec.block_q, spec.block_kv),
                            layout=plgpu.Layout.WGMMA)
   q_pos = item.row_pos + iota(0)
-  k_pos = tile_first_row(item.kv_row8, item.kv_last8, i, block_kv=spec.block_kv) - (
-      item.kv_start) + iota(1)
-  visible = visible_keys(spec.mask, q_pos, k_pos, i, item.kv_row8, item.kv_start,
-                         item.kv_len, block_kv=spec.block_kv)
+  unit = dict(block_kv=spec.block_kv, unit=spec.kv_unit)
+  k_pos = tile_first_row(item.kv_row, item.kv_last, i, **unit) - item.kv_start + iota(1)
+  visible = visible_keys(spec.mask, q_pos, k_pos, i, item.kv_row, item.kv_start,
+                         item.kv_len, **unit)
   return jnp.where(visible, s, -jnp.inf)
 
 
@@ -672,14 +683,14 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
   before it loads this one's tiles (the compute warpgroups then have it when they finish
   this one)."""
   plgpu.set_max_registers(32 if spec.split else 40, action="decrease")
-  tail8 = refs.scalars[L.S_TAIL8]
+  tail8, kv_tail = refs.scalars[L.S_TAIL8], refs.scalars[L.S_KV_TAIL]
 
   def load_item(hw, base, fetch_next):
     fetch_next()
     h, _, meta, item_lo, item_hi, _ = units.item_of(hw)
     kv_head = lax.div(h, jnp.int32(spec.group))
-    tile_row = functools.partial(tile_first_row, meta(L.KV_ROW8), meta(L.KV_LAST8),
-                                 block_kv=spec.block_kv)
+    tile_row = functools.partial(tile_first_row, meta(L.KV_ROW), meta(L.KV_LAST),
+                                 block_kv=spec.block_kv, unit=spec.kv_unit)
     paged = None
     if spec.page_size is not None:
       seq = meta(L.SEQ)
@@ -699,6 +710,8 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
         load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
       elif spec.fp8:
         load_vt_tile(spec, refs, scratch, slot, start, kv_head)
+      elif spec.kv_unit == 1:
+        load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail)
       else:
         load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8)
 
@@ -765,6 +778,29 @@ def load_vt_tile(spec, refs, scratch, slot, start, kv_head):
     plgpu.copy_gmem_to_smem(
         refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start, spec.block_kv)],
         fill.at[slot], scratch.v_loaded.at[slot])
+
+
+def load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail):
+  """TMA of a contiguous V tile at row `start` (batch-invariant tiles), one copy per 64
+  columns: from V, or, when the tile runs past the batch's last key (row kv_tail - 1),
+  from ``v_tail``, rows [kv_tail - block_kv, kv_tail + block_kv) of V with the rows past
+  that key zeroed (0 * NaN is NaN), which hold it whole (the tile starts before
+  kv_tail)."""
+  block_kv = spec.block_kv
+  past = start + block_kv > kv_tail
+  tail_row = jnp.clip(start - kv_tail + block_kv, 0, block_kv)
+  for c, (vs, _) in enumerate(scratch.v):
+    cols = pl.ds(c * L.CHUNK, L.CHUNK)
+
+    @pl.when(past)
+    def _(vs=vs, cols=cols):
+      plgpu.copy_gmem_to_smem(refs.v_tail.at[pl.ds(tail_row, block_kv), kv_head, cols],
+                              vs.at[slot], scratch.v_loaded.at[slot])
+
+    @pl.when(jnp.logical_not(past))
+    def _(vs=vs, cols=cols):
+      plgpu.copy_gmem_to_smem(refs.v.at[pl.ds(start, block_kv), kv_head, cols],
+                              vs.at[slot], scratch.v_loaded.at[slot])
 
 
 def load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8):

@@ -1,8 +1,9 @@
 """The Mosaic GPU kernel's data layout: the per-item table's columns, the scalar operand's
 lanes and the constants that the work list, its GPU builder, the schedule and the kernel
-share. Row numbers the kernel passes to TMA are stored divided by 8: multiplying them back
-proves to Mosaic GPU that they are multiples of 8, which TMA into 8-row-tiled shared memory
-requires.
+share. Query rows are stored divided by 8 (``ROW8``): multiplying them back proves to
+Mosaic GPU that they are multiples of 8. KV tile rows (``KV_ROW``, ``KV_LAST``) are stored
+in units of ``kv_unit`` rows: 1 where KV tiles start at a sequence's first key (batch
+invariant), 8 where they start at multiples of 8 or 16.
 """
 
 from jax import lax
@@ -12,19 +13,20 @@ COMPUTE_WGS = 2  # compute warpgroups per program, each with block_q query rows
 CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 
 # Columns of the per-item table (``work_list.work_list``) the kernel reads.
-(Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW8, KV_LAST8, T_LO, T_HI) = range(9)
+(Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW, KV_LAST, T_LO, T_HI) = range(9)
 WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
 META_COLS = WG_COLS + 4 * COMPUTE_WGS
 # Paged (``page_tiles``) and FP8 only: the item's sequence (its block table row, its scales)
 SEQ = META_COLS
-# ``KV_LAST8`` of items whose KV tiles are never shifted back (a paged cache's tiles lie
-# inside pages): larger than any tile's row / 8.
-NO_SHIFT = 2**27
+# The last tile's row (``KV_LAST`` times ``kv_unit``) of items whose KV tiles are never
+# shifted back (a paged cache's tiles lie inside pages; batch-invariant tiles): larger than
+# any tile's row.
+NO_SHIFT_ROW = 2**30
 
 # The kernel's scalar operand: the items to run (those that store rows), the 8-row group
-# of the batch's last key (the one that comes from ``v_tail``), the order of the units
-# (1: K/V-head-major, ``schedule.head_major_order``) and the end of the last sequence's
-# keys (``work_items``). With dynamic scheduling, the lane the programs claim units from
+# of the batch's last key (aligned tiles: the one that comes from ``v_tail``), the order
+# of the units (1: K/V-head-major, ``schedule.head_major_order``) and the end of the
+# batch's keys (the largest end; batch-invariant tiles that run past it read ``v_tail``). With dynamic scheduling, the lane the programs claim units from
 # (``primitives.claim``): 0 before the call, one more per claim; and the lane that says
 # whether the programs take the units the static zigzag deals them instead
 # (``schedule.dynamic_schedule``). The operand has ``SCALAR_LANES`` lanes or more.
@@ -34,6 +36,12 @@ SCALAR_LANES = 8
 # Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;
 # smaller pages are gathered into contiguous K/V first (``operands.gathered_pages``).
 MIN_NATIVE_PAGE = 64
+
+
+def kv_unit(kv_align: int) -> int:
+  """The unit of the table's KV tile rows for tiles that start at multiples of
+  ``kv_align`` keys: 1 (rows) for ``kv_align`` 1, else 8."""
+  return 1 if kv_align == 1 else 8
 
 
 def floor8(x):

@@ -1,11 +1,13 @@
 """The work before the Mosaic GPU kernel: its operands from the entry points' arrays.
 
 The work list and scalars (``work_items``' kernel, or XLA's ``work_list`` with the LSE);
-``v_tail``, the V rows of the tile that ends with the 8-row group of the batch's last key
-with the rows past that key zeroed (rows past the last key may hold anything, NaN
-included, and 0 * NaN would poison P.V), or for a paged cache each sequence's last V tile;
-small pages gathered into contiguous K/V. Q, K and V themselves are passed as they are
-(only arrays shorter than one tile are padded to one).
+``v_tail``, V's rows around the batch's last key with the rows past that key zeroed (rows
+past the last key may hold anything, NaN included, and 0 * NaN would poison P.V): with
+batch-invariant tiles the ``2 * block_kv`` rows centred on the end of the keys, from
+which the kernel reads every tile that runs past it; with aligned tiles the tile that
+ends with the 8-row group of the last key; for a paged cache each sequence's last V tile.
+Small pages gathered into contiguous K/V; FP8's V^T. Q, K and V themselves are passed as
+they are (only arrays shorter than one tile are padded to one).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def padded_rows(rows: int, tile: int) -> int:
 FP8_KV_ALIGN = 16
 
 
+def kv_align(config: MosaicConfig, fp8: bool) -> int:
+  """The multiple of keys KV tiles start at (``work_list.item_columns``): FP8's 16; else 1
+  (a sequence's first key: batch invariant) with ``MosaicOptions.batch_invariant``, or 8."""
+  if fp8:
+    return FP8_KV_ALIGN
+  return 1 if config.options.batch_invariant else 8
+
+
 def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv):
   """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
   multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
@@ -75,11 +85,11 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
              config: MosaicConfig, paged_cache=None, block_table=None, interpret=False,
              top_left=False, fp8=None):
   """The work before the kernel: its operands (the work list, the scalars, the sink
-  weights if any, Q, K, V and ``v_tail``, FP8's scales); with ``return_lse``, each
-  output row's LSE slot; and the persistent grid's size, which the unit order is chosen
-  for. Arguments as ``mosaic_gpu.ragged_attention_mgpu``'s; ``fp8``: ``fp8_operands``
-  (V^T replaces V); ``interpret`` runs ``work_items``' kernel in Mosaic GPU's interpret
-  mode (to call this on the CPU)."""
+  weights if any, Q, K, V and ``v_tail``, or FP8's V^T and scales and no ``v_tail``);
+  with ``return_lse``, each output row's LSE slot; and the persistent grid's size, which
+  the unit order is chosen for. Arguments as ``mosaic_gpu.ragged_attention_mgpu``'s;
+  ``fp8``: ``fp8_operands``; ``interpret`` runs ``work_items``' kernel in Mosaic GPU's
+  interpret mode (to call this on the CPU)."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
@@ -91,10 +101,11 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   programs = schedule.num_programs(num_heads * num_items, config)
   group = num_heads // v.shape[-2]
   page_tiles = block_table is not None
+  align = kv_align(config, fp8 is not None)
+  # (FP8 reads its scales by the item's sequence.)
   kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
-            paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left)
-  if fp8 is not None:  # V^T's tiles: a row's first key 16-byte aligned for TMA; scales by
-    kw.update(kv_align=FP8_KV_ALIGN, seq_column=True)  # the item's sequence
+            paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left,
+            kv_align=align, seq_column=fp8 is not None)
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options
@@ -115,7 +126,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
                         else (schedule.head_major_order(tiles, n_live, **order), 0))
     scalars = jnp.zeros((L.SCALAR_LANES,), jnp.int32)  # L.S_NEXT: 0
     for lane, x in ((L.S_LIVE, n_live), (L.S_TAIL8, -1 if page_tiles else L.floor8(kv_end) // 8),
-                    (L.S_HEAD_MAJOR, head_major), (L.S_DEAL, deal)):
+                    (L.S_HEAD_MAJOR, head_major), (L.S_KV_TAIL, kv_end), (L.S_DEAL, deal)):
       scalars = scalars.at[lane].set(jnp.asarray(x, jnp.int32))
   if options.dynamic and options.head_major is not None:  # the order forced (A/B runs)
     scalars = scalars.at[L.S_HEAD_MAJOR].set(options.head_major)
@@ -140,20 +151,29 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
     inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
     inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
     return inputs, (lse_slot if return_lse else None), programs
-  # The tile ending with the 8-row group that holds the last key, or the tile at row 0
-  # when that group ends before it does; rows past the last key zeroed.
   bkv = config.block_kv
-  first = jnp.maximum(L.floor8(kv_end) + 8 - bkv, 0)
-  tail_rows = first + jnp.arange(bkv, dtype=jnp.int32)
-  v_tail = jnp.where((tail_rows < kv_end)[:, None, None],
-                     v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)
+  if fp8 is not None:  # V^T's columns past the last key are zeros already: no v_tail
+    v_tail = []
+  elif align == 1:
+    # Rows [kv_end - bkv, kv_end + bkv): every tile that runs past the last key lies in
+    # them (a tile starts before the end of its keys); rows past that key zeroed.
+    tail_rows = kv_end - bkv + jnp.arange(2 * bkv, dtype=jnp.int32)
+    v_tail = [jnp.where(((tail_rows >= 0) & (tail_rows < kv_end))[:, None, None],
+                        v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)]
+  else:
+    # The tile ending with the 8-row group that holds the last key, or the tile at row 0
+    # when that group ends before it does; rows past the last key zeroed.
+    first = jnp.maximum(L.floor8(kv_end) + 8 - bkv, 0)
+    tail_rows = first + jnp.arange(bkv, dtype=jnp.int32)
+    v_tail = [jnp.where((tail_rows < kv_end)[:, None, None],
+                        v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)]
   # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output
   # comes from one, so no operand needs padding beyond a tile's rows.
   kv_rows = padded_rows(total_kv, config.block_kv)
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
   inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
-  inputs += [grow(v, kv_rows) if fp8 is None else fp8[0], v_tail]
+  inputs += [grow(v, kv_rows) if fp8 is None else fp8[0], *v_tail]
   inputs += [] if fp8 is None else list(fp8[1:])
   return inputs, (lse_slot if return_lse else None), programs
 

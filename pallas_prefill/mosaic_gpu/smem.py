@@ -68,9 +68,11 @@ class Scratch:
 
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
-            pages: int, paged: bool) -> Scratch:
+            pages: int, paged: bool, one_v_copy: bool = False) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
-  chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each."""
+  chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
+  ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
+  ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``)."""
   lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -105,9 +107,11 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
-      # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T one;
-      # paged: one per chunk and page.
-      v_loaded=barrier(num_arrivals=(pages if paged else 1 if fp8 else 2) * v_chunks,
+      # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T and
+      # batch-invariant tiles one; paged: one per chunk and page. (Each copy is one
+      # arrival: a count above the copies never completes, and the kernel hangs.)
+      v_loaded=barrier(num_arrivals=(pages if paged else 1 if fp8 or one_v_copy else 2)
+                       * v_chunks,
                        num_barriers=slots),
       k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       v_consumed=barrier(num_arrivals=consumers, num_barriers=slots),

@@ -317,7 +317,7 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          top_left=False, interpret=False, kv_align=8, seq_column=False):
+          top_left=False, interpret=False, kv_align=1, seq_column=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items

@@ -33,22 +33,27 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
-                 page_tiles, top_left=False, kv_align=8):
+                 page_tiles, top_left=False, kv_align=1):
   """The per-item table columns up to ``layout.META_COLS`` (a list of int32 arrays, one value
   per item) from each item's sequence (its query start and length, its K/V start and
   length: zeros for items that run nothing) and first row (absolute, a multiple of 8);
-  ``top_left``: queries from position 0 (else kv_len - q_len); ``kv_align``: KV tiles
-  start at multiples of it (8; FP8's V^T tiles 16, TMA's 16-byte alignment of a row's
-  first key).
+  ``top_left``: queries from position 0 (else kv_len - q_len); ``kv_align``: 1, KV tile i
+  starts at the sequence's first key plus i * block_kv and is never shifted back (batch
+  invariant: the same keys in the same tiles wherever the sequence sits); 8 or 16, at
+  its first key rounded down to a multiple of it (FP8's V^T tiles need 16, TMA's 16-byte
+  alignment of a row's first key), the last tile shifted back to end in the aligned group
+  of the last key. KV rows are stored in units of ``layout.kv_unit(kv_align)``.
   Plain ``jnp`` arithmetic on non-negative numbers, so that ``work_list`` (XLA) and
   ``work_items.build`` (a Mosaic GPU kernel) share it."""
   floor = lambda x: lax.div(x, kv_align) * kv_align  # noqa: E731  (x >= 0)
+  unit = L.kv_unit(kv_align)
   kv_first = floor(i_kv_start)
-  # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
-  # negative start is no out-of-bounds zero fill but a wild row.
-  kv_last = jnp.maximum(floor(i_kv_start + i_kv_len + (kv_align - 1)) - block_kv, 0)
-  if page_tiles:
-    kv_last = jnp.full_like(kv_last, L.NO_SHIFT * 8)
+  if page_tiles or kv_align == 1:
+    kv_last = jnp.full_like(i_kv_start, L.NO_SHIFT_ROW)
+  else:
+    # Not below row 0: TMA coordinates into tiled memory are divided unsigned, so a
+    # negative start is no out-of-bounds zero fill but a wild row.
+    kv_last = jnp.maximum(floor(i_kv_start + i_kv_len + (kv_align - 1)) - block_kv, 0)
   skew = i_kv_start - kv_first  # key j is row j + skew of the aligned tiling
   start_pos = jnp.zeros_like(i_kv_len) if top_left else i_kv_len - i_q_len
 
@@ -71,8 +76,8 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
   hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
   lo = jnp.where(empty0 & empty1, 0, lo)
   hi = jnp.maximum(hi, lo)
-  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // 8, kv_last // 8,
-          lo, hi]
+  cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // unit,
+          kv_last // unit, lo, hi]
   for t_lo, u_lo, u_hi, t_hi in per_wg:
     # A warpgroup with no tiles of its own waits on the item's tiles all the same: give
     # it the empty range at the item's start so that its loops stay in order.
@@ -82,7 +87,7 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
 
 
 def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
-              paged_cache=None, page_tiles=False, top_left=False, kv_align=8,
+              paged_cache=None, page_tiles=False, top_left=False, kv_align=1,
               seq_column=False):
   """The per-item table [num_items, L.META_COLS] int32 (plus ``layout.SEQ``, the item's
   sequence, with ``page_tiles`` or ``seq_column``: FP8 reads its scales by it); each
@@ -97,10 +102,12 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   offsets, even garbage under jit, give items whose stored rows cover [0, total_q) once.
   Items start at multiples of 8 rows: a sequence's first item starts at its first row
   rounded down, and the rows before it (its neighbour's) are computed and not stored.
-  KV tile i of a sequence starts at its first key rounded down to 8 plus i * block_kv,
-  except that no tile starts after ``max(ceil8(kv_end) - block_kv, 0)``: the last tile
-  ends in the 8-row group of the last key (or, when all keys lie in the first block_kv
-  rows, at row block_kv).
+  KV tiles (``item_columns``): with ``kv_align`` 1, tile i of a sequence starts at its
+  first key plus i * block_kv (the last may run past the sequence's keys, and past the
+  batch's). With ``kv_align`` 8 (or 16), at its first key rounded down to 8 (16) plus
+  i * block_kv, except that no tile starts after ``max(ceil8(kv_end) - block_kv, 0)``: the
+  last tile ends in the 8-row group of the last key (or, when all keys lie in the first
+  block_kv rows, at row block_kv).
 
   paged_cache: (cache_lengths, capacity) for K/V that ``operands.gathered_pages`` gathered from a
   paged cache: sequence b's keys are then rows [b * capacity, b * capacity + kv_len).
@@ -120,7 +127,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   else:
     kv_start = jnp.clip(kv_rows[0].astype(jnp.int32), 0, total_kv)
     kv_end = jnp.clip(kv_rows[1].astype(jnp.int32), kv_start, total_kv)
-  # Rows past the batch's last key may hold anything (``operands``' v_tail zeroes them).
+  # Rows past the batch's last key may hold anything (``operands``' v_tail has them zeroed).
   kv_tail = jnp.max(kv_end)
   # The rows past offsets[-1]: a pseudo-sequence with no keys, stored as zeros.
   q_start = jnp.concatenate([q_start, q_end[-1:]])
