@@ -22,7 +22,11 @@ TUNED = {
 # measures the verdicts: on the H200 (2026-12-01) Mosaic GPU won every measured case (MHA
 # depths 64, 128, 256, MLA 192/128, every mask kind, bf16 and f16, short and long
 # prompts) but MHA at depth 64 on short prompts (Triton 122 useful TFLOP/s against 111,
-# one measurement).
+# one measurement). For batch invariance (issue 25) neither the tiles nor the backend may
+# depend on max_prompt_len: ``config.default_mosaic_config`` takes the long-prompt entry
+# (else the short one) at every length, so MLA's short-prompt tiles below are no
+# default now, and ``config.prefers_triton`` keeps Triton only where both lengths' entries
+# say False, so MHA at depth 64 runs Mosaic GPU on short prompts too.
 TUNED_MOSAIC = {
     "NVIDIA H200": {
         (128, 128, "bfloat16", "CausalMask", False): (64, 128, 2, None, True),

@@ -844,6 +844,11 @@ LOWERED = [
     Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
             config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
+    # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
+    Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(batch_invariant=False))),
+    Lowered(kind="mla", heads=16, kv_heads=16, config=pp.MosaicConfig(
+        block_kv=64, num_stages=3, options=pp.MosaicOptions(batch_invariant=False))),
     # Issue 24: FP8 (e4m3) Q, K, V: FP8 matrix products, V transposed, scales by row
     *[Lowered(dtype="float8_e4m3fn", mask=m, scale_shape=sh) for m, sh in (
         (masks.CausalMask(), (2,)), (masks.NullMask(), ()),
@@ -872,6 +877,114 @@ def test_default_config_lowers(problem):
   assert out.dtype == problem.out_dtype
   if problem.lse:
     assert out_info[1].shape == (problem.total_q, problem.heads)
+
+
+# --------------------------------------------------------------------------------------
+# The K/V barriers count the copies. Each TMA copy is one arrival on its slot's barrier;
+# a barrier that expects more arrivals than the loader makes never completes and the
+# kernel hangs on the GPU (issue 25's first batch-invariant tiles: V in one copy a chunk,
+# the barrier sized for two). Lowering cannot show it, so the loaders run here on stand-in
+# refs, every branch taken with concrete values, their copies counted per barrier.
+
+
+class _View:
+  """A stand-in for a GMEM or SMEM ref: any index or ``.at[...]`` gives itself; ``name``
+  says which barrier a copy signals."""
+
+  def __init__(self, name=""):
+    self.name = name
+
+  at = property(lambda self: self)
+
+  def __getitem__(self, idx):
+    return self
+
+
+def _kernel_spec(lower, monkeypatch):
+  """The KernelSpec of the attention kernel that ``lower()`` compiles."""
+  specs, real = [], mosaic_gpu.attention_kernel
+
+  def capture(*refs, spec):
+    specs.append(spec)
+    return real(*refs, spec=spec)
+
+  monkeypatch.setattr(mosaic_gpu, "attention_kernel", capture)
+  jax.clear_caches()  # (a cached trace would not run the kernel's body again)
+  lower()
+  monkeypatch.undo()
+  return specs[-1]
+
+
+def _paged_lowering(page_size):
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+
+  def fn(q, k_pages, v_pages, off, table, cache):
+    k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
+    return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend="mosaic_gpu",
+                          interpret=False)
+
+  return lambda: lower_for_h200(fn, *_paged_mha(page_size=page_size))
+
+
+ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
+
+
+@pytest.mark.parametrize("name,lower", [
+    ("invariant", Lowered(lse=True).lower),
+    ("aligned", Lowered(config=ALIGNED).lower),
+    ("mla invariant", Lowered(kind="mla", heads=16, kv_heads=16).lower),
+    ("mla aligned", Lowered(kind="mla", heads=16, kv_heads=16, config=dataclasses.replace(
+        ALIGNED, block_kv=64, num_stages=3)).lower),
+    ("fp8", Lowered(dtype="float8_e4m3fn").lower),
+    ("pages of 64", _paged_lowering(64)),
+    ("pages of 256", _paged_lowering(256)),
+    ("pages of 16, gathered", _paged_lowering(16)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
+  """On every path of ``kernel.load_kv_tile`` (V from the arrays or from ``v_tail``, the
+  aligned tiles' head tile and tail group, a paged sequence's last tile and the others),
+  the copies that signal ``k_loaded`` and ``v_loaded`` are as many as the barriers that
+  ``kernel.scratch_for`` allocates expect."""
+  spec = _kernel_spec(lower, monkeypatch)
+  scratch = mosaic_kernel.scratch_for(spec)
+  expected = dict(k_loaded=scratch.k_loaded.num_arrivals,
+                  v_loaded=scratch.v_loaded.num_arrivals)
+  counts = {}
+
+  def copy(src, dst, barrier, **kwargs):
+    del src, dst, kwargs
+    counts[barrier.name] = counts.get(barrier.name, 0) + 1
+
+  def when(condition):  # runs the branch that the concrete values take
+    return lambda body: body() if bool(condition) else None
+
+  monkeypatch.setattr(mosaic_kernel.plgpu, "copy_gmem_to_smem", copy)
+  monkeypatch.setattr(mosaic_kernel.pl, "when", when)
+  refs = mosaic_kernel.Refs(
+      meta=None, scalars=None, sink=None, q=[], k=[_View()] * spec.n_k, v=_View(),
+      v_tail=None if spec.fp8 else _View(), o=None, lse=None,
+      table=jnp.arange(48, dtype=jnp.int32).reshape(4, 12))
+  fake = type("FakeScratch", (), dict(
+      k=[(_View(), None)] * len(spec.chunks), v=[(_View(), None)] * (spec.v_depth // 64),
+      k_loaded=_View("k_loaded"), v_loaded=_View("v_loaded")))
+  bkv, i32 = spec.block_kv, jnp.int32
+  kv_tail = 1000
+  if spec.page_size is not None:  # (i, start): a middle tile and the sequence's last
+    paths = [dict(i=i, start=i * bkv, paged=(i32(1), i32(3))) for i in (0, 2, 3)]
+  elif spec.kv_unit == 1:  # V from the arrays; the tile just fits; past the last key
+    paths = [dict(start=s) for s in (0, 500, kv_tail - bkv, kv_tail - bkv + 1, kv_tail - 1)]
+  else:  # aligned (FP8's too): the head tile, the tail group, neither
+    paths = [dict(start=s, tail8=t) for s in (0, 8 * 16, kv_tail // 8 * 8 - bkv)
+             for t in (0, 1, (s + bkv) // 8 - 1, kv_tail // 8)]
+  if spec.page_size is None:  # (the paged loader reads tiles by position)
+    assert spec.kv_unit == (1 if "invariant" in name or "gathered" in name else 8), spec
+  for path in paths:
+    counts.clear()
+    args = {**dict(i=0, paged=None, tail8=kv_tail // 8), **path}
+    mosaic_kernel.load_kv_tile(spec, refs, fake, 0, i32(args["start"]), i32(0),
+                               i32(args["i"]), args["paged"], i32(args["tail8"]),
+                               i32(kv_tail))
+    assert counts == expected, (name, path)
 
 
 @pytest.mark.parametrize("lse,build,calls", [(False, True, 2), (True, True, 1),

@@ -198,16 +198,22 @@ def visible_keys(mask, q_pos, k_pos, i, kv_row, kv_start, kv_len, *, block_kv, u
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
-def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
-  """The kernel body: allocates the scratch and runs the warpgroups' roles."""
-  refs = Refs.unpack(meta_ref, scalar_ref, refs, spec)
-  scratch = smem.scratch(
+def scratch_for(spec: KernelSpec) -> smem.Scratch:
+  """The allocation specs of the kernel's scratch for `spec`: its barriers count the
+  copies that ``load_kv_tile`` makes (tests/test_mosaic.py checks every loader's path)."""
+  return smem.scratch(
       # V's 64-column buffers: one accumulator each
       chunks=len(spec.chunks), v_chunks=spec.v_depth // L.CHUNK, dtype=spec.dtype,
       out_dtype=spec.out_dtype, out_buffers=spec.out_buffers, has_lse=spec.has_lse,
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1)
+
+
+def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
+  """The kernel body: allocates the scratch and runs the warpgroups' roles."""
+  refs = Refs.unpack(meta_ref, scalar_ref, refs, spec)
+  scratch = scratch_for(spec)
 
   def roles(scratch: smem.Scratch):
     wg = lax.axis_index("wg")
@@ -702,22 +708,34 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
       start = tile_row(i)
       reuse = base + i - item_lo >= spec.num_stages
       pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.k_consumed.at[slot]))
-      copies = (paged_copies(spec, refs, paged[0], start) if paged
-                else contiguous_copies(spec, start))
-      load_k_tile(spec, refs, scratch, slot, copies, kv_head)
-      pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot]))
-      if paged:
-        load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
-      elif spec.fp8:
-        load_vt_tile(spec, refs, scratch, slot, start, kv_head)
-      elif spec.kv_unit == 1:
-        load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail)
-      else:
-        load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8)
+      load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail,
+                   before_v=lambda: pl.when(reuse)(
+                       lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot])))
 
     return base + item_hi - item_lo
 
   units.for_each_unit(load_item, lambda hw: None, units.publish)
+
+
+def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail, *,
+                 before_v=lambda: None):
+  """TMA of KV tile i (first row `start`) into `slot`: K, then (after ``before_v``) V by
+  the loader for the layout: pages (``paged``: the sequence and its last tile, else
+  None), FP8's V^T, batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the
+  scalars' ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
+  ``k_loaded`` / ``v_loaded`` barrier, which ``scratch_for`` sizes to match."""
+  copies = (paged_copies(spec, refs, paged[0], start) if paged
+            else contiguous_copies(spec, start))
+  load_k_tile(spec, refs, scratch, slot, copies, kv_head)
+  before_v()
+  if paged:
+    load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
+  elif spec.fp8:
+    load_vt_tile(spec, refs, scratch, slot, start, kv_head)
+  elif spec.kv_unit == 1:
+    load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail)
+  else:
+    load_v_tile(spec, refs, scratch, slot, start, kv_head, tail8)
 
 
 def contiguous_copies(spec, start):
