@@ -908,10 +908,10 @@ def _kernel_spec(lower, monkeypatch):
     specs.append(spec)
     return real(*refs, spec=spec)
 
-  monkeypatch.setattr(mosaic_gpu, "attention_kernel", capture)
-  jax.clear_caches()  # (a cached trace would not run the kernel's body again)
-  lower()
-  monkeypatch.undo()
+  with monkeypatch.context() as patch:
+    patch.setattr(mosaic_gpu, "attention_kernel", capture)
+    jax.clear_caches()  # (a cached trace would not run the kernel's body again)
+    lower()
   return specs[-1]
 
 

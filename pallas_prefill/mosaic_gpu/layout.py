@@ -26,7 +26,8 @@ NO_SHIFT_ROW = 2**30
 # The kernel's scalar operand: the items to run (those that store rows), the 8-row group
 # of the batch's last key (aligned tiles: the one that comes from ``v_tail``), the order
 # of the units (1: K/V-head-major, ``schedule.head_major_order``) and the end of the
-# batch's keys (the largest end; batch-invariant tiles that run past it read ``v_tail``). With dynamic scheduling, the lane the programs claim units from
+# batch's keys (the largest end; batch-invariant tiles that run past it read
+# ``v_tail``). With dynamic scheduling, the lane the programs claim units from
 # (``primitives.claim``): 0 before the call, one more per claim; and the lane that says
 # whether the programs take the units the static zigzag deals them instead
 # (``schedule.dynamic_schedule``). The operand has ``SCALAR_LANES`` lanes or more.

@@ -154,18 +154,17 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   bkv = config.block_kv
   if fp8 is not None:  # V^T's columns past the last key are zeros already: no v_tail
     v_tail = []
-  elif align == 1:
-    # Rows [kv_end - bkv, kv_end + bkv): every tile that runs past the last key lies in
-    # them (a tile starts before the end of its keys); rows past that key zeroed.
-    tail_rows = kv_end - bkv + jnp.arange(2 * bkv, dtype=jnp.int32)
-    v_tail = [jnp.where(((tail_rows >= 0) & (tail_rows < kv_end))[:, None, None],
-                        v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)]
   else:
-    # The tile ending with the 8-row group that holds the last key, or the tile at row 0
-    # when that group ends before it does; rows past the last key zeroed.
-    first = jnp.maximum(L.floor8(kv_end) + 8 - bkv, 0)
-    tail_rows = first + jnp.arange(bkv, dtype=jnp.int32)
-    v_tail = [jnp.where((tail_rows < kv_end)[:, None, None],
+    if align == 1:
+      # Rows [kv_end - bkv, kv_end + bkv): every tile that runs past the last key lies in
+      # them (a tile starts before the end of its keys).
+      tail_rows = kv_end - bkv + jnp.arange(2 * bkv, dtype=jnp.int32)
+    else:
+      # The tile ending with the 8-row group that holds the last key, or the tile at row
+      # 0 when that group ends before it does.
+      tail_rows = jnp.maximum(L.floor8(kv_end) + 8 - bkv, 0) + jnp.arange(bkv, dtype=jnp.int32)
+    # Rows past the last key (and before row 0) zeroed.
+    v_tail = [jnp.where(((tail_rows >= 0) & (tail_rows < kv_end))[:, None, None],
                         v[jnp.clip(tail_rows, 0, total_kv - 1)], 0).astype(v.dtype)]
   # Q, K and V go to untiled shared-memory buffers (64-column chunks) and the output
   # comes from one, so no operand needs padding beyond a tile's rows.
