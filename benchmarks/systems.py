@@ -262,14 +262,16 @@ def pallas_prefill_default(problems):
 SOFT_CAP = 30.0
 
 
-def pallas_prefill_softcap(problems):
+def pallas_prefill_softcap(problems, mosaic_options=None):
   """Ours as pallas_prefill_default calls it (packed, no backend argument) with
   ``logits_soft_cap=SOFT_CAP``: what the cap costs against that system; checked against
-  the reference with the same cap."""
+  the reference with the same cap. With ``mosaic_options``, their Mosaic GPU config
+  (``mosaic_config``) instead of auto's."""
   p0 = problems[0]
   _unpaged_self_attention(problems, "the soft-cap comparison")
   cap = SOFT_CAP
-  prepared = _pallas(problems, paged=False, backend=None, logits_soft_cap=cap)
+  prepared = _pallas(problems, paged=False, backend=None, logits_soft_cap=cap,
+                     config=mosaic_config(mosaic_options, p0))
   return dataclasses.replace(prepared, auto_backend=True,
                              reference=lambda: reference(p0, logits_soft_cap=cap))
 
@@ -797,10 +799,10 @@ BACKENDS = {"pallas_prefill": "triton", "pallas_prefill_mosaic": "mosaic_gpu",
 PADDED_ANCHORS = ("cudnn_padded", "xla_padded", "tokamax_mosaic", "tokamax_triton",
                   "torch_sdpa_cudnn", "jax_pallas_mha")
 
-# The systems that take --mosaic-options: those that run our Mosaic GPU backend.
-# The systems that take ``--mosaic-options``: the Mosaic GPU backend's, and ours padded.
+# The systems that take ``--mosaic-options``: the Mosaic GPU backend's, ours padded and
+# ours soft-capped.
 MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu"
-                       ) + ("pallas_prefill_padded",)
+                       ) + ("pallas_prefill_padded", "pallas_prefill_softcap")
 
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,

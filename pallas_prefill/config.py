@@ -60,7 +60,8 @@ class MosaicOptions:
     build_work_list: the work list from one small Mosaic GPU kernel where it serves the
       sizes and no LSE is asked for; False: always XLA's.
     fold_scale: the softmax scale folded into its exponent (one FFMA per score) where the
-      scale is positive; False: a separate multiplication.
+      scale is positive, and with a soft cap the cap (the scale then goes into tanh's
+      argument); False: separate multiplications.
     tile_spans_pages: native paged KV tiles larger than a page read consecutive pages (a
       TMA copy from each); False cuts ``block_kv`` to the page.
     skip_keyless_q: a unit with no KV tile (the padding rows of ``dot_product_attention``,

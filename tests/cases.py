@@ -89,6 +89,10 @@ def _cases():
       r(base, soft_cap=1.5),  # a cap that bends most logits
       r(base, soft_cap=30.0, sink=True, lse=True, mask=masks.SlidingWindowCausalMask(24)),
       r(base, soft_cap=2.0, kv_lens=(3, 0, 10, 60, 64, 0), lse=True),
+      # A negative scale: no folding into exp2 without a cap (the row maximum would not
+      # commute with it), the cap folded with one (Mosaic GPU's ``scaled_scores``).
+      r(base, scale=-0.3),
+      r(base, scale=-0.3, soft_cap=2.0, lse=True),
       r(base, head_dim=32),  # Mosaic GPU pads it to 64
       r(base, lens=(0,), extra_prompt_len=16, extra_rows=3),  # nothing to attend
       r(base, lens=(200,), kv_heads=1, mask=masks.SlidingWindowCausalMask(40),

@@ -325,7 +325,7 @@ def test_layers_counts_kernels_and_shares_offsets(monkeypatch):
 def _fake_kernel(monkeypatch, seen):
   """``pp.mha_prefill`` replaced by the reference, recording each call's backend and config:
   what our systems would run, on the CPU, where the Mosaic GPU backend cannot."""
-  def kernel(*args, backend, config, **kwargs):
+  def kernel(*args, config, backend="auto", **kwargs):
     seen.append((backend, config))
     return pp.reference.mha_prefill_reference(*args, **kwargs)
 
@@ -334,23 +334,24 @@ def _fake_kernel(monkeypatch, seen):
 
 def test_harness_passes_mosaic_options_to_the_mosaic_system_only(monkeypatch, tmp_path):
   """``--mosaic-options``: the Mosaic GPU system passes the call's default config with the
-  given MosaicConfig fields and MosaicOptions; the Triton system passes none; the options
-  are in the results' meta. Without them, config=None."""
+  given MosaicConfig fields and MosaicOptions, and so does the soft-capped one; the Triton
+  system passes none; the options are in the results' meta. Without them, config=None."""
   seen = []
   _fake_kernel(monkeypatch, seen)
   run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_mosaic",
-            "pallas_prefill", "--mosaic-options", "dynamic=False", "block_kv=64",
-            "head_major=1", "--out", str(tmp_path)])
+            "pallas_prefill", "pallas_prefill_softcap", "--mosaic-options", "dynamic=False",
+            "block_kv=64", "head_major=1", "--out", str(tmp_path)])
   w = wl.WORKLOADS["tiny"]
   default = config_lib.default_mosaic_config(128, 128, "bfloat16", w.mask, w.max_len)
   assert default.block_kv == 128  # so that block_kv=64 is seen to change it
   expected = pp.MosaicConfig(block_kv=64, num_stages=default.num_stages,
                              options=pp.MosaicOptions(dynamic=False, head_major=1))
-  assert set(seen) == {("mosaic_gpu", expected), ("triton", None)}
+  # The soft-capped system (no backend argument) takes the config too.
+  assert set(seen) == {("mosaic_gpu", expected), ("triton", None), ("auto", expected)}
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["meta"]["mosaic_options"] == {"dynamic": False, "block_kv": 64,
                                                "head_major": 1}
-  assert all(r["correct"] for r in results["rows"]) and len(results["rows"]) == 2
+  assert all(r["correct"] for r in results["rows"]) and len(results["rows"]) == 3
   seen.clear()
   run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_mosaic",
             "--out", str(tmp_path)])

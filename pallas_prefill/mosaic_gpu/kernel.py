@@ -96,7 +96,7 @@ class KernelSpec:
   read a tile at a time from the pages the block table names (``v_tail`` then holds each
   sequence's last V tile, and the block table follows it); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
-  (``attend_tile``); top_left: queries from position 0 (else kv_len - q_len);
+  (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
   skip_keyless_q: ``MosaicOptions.skip_keyless_q``; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
   (batch invariant), 8 where at a multiple of 8 or 16.
@@ -522,19 +522,7 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry
   slot."""
   acc, m_i, l_i = carry
   s = qk_scores(spec, scratch, turns, q_smem, i, slot)
-  # The row maximum commutes with a positive scale, not with the soft cap. (FP8's scale is
-  # the item's, traced.)
-  fold = spec.fold_scale and spec.scale > 0 and spec.soft_cap is None and not spec.fp8
-  if spec.fp8:
-    s = s * item.qk_scale
-  elif not fold:
-    s = s * spec.scale
-  if spec.soft_cap is not None:
-    # Mosaic GPU's approx_math makes this one tanh.approx.f32 (relative error ~2^-11): the
-    # exact exp2 form (``logits.soft_capped``) costs two more MUFU operations per score,
-    # 1.4x the kernel's time on the H200 (BUILD_NOTES.md), where the one exp2 per score
-    # already loads that unit to about half the tensor cores' time.
-    s = jnp.tanh(s * (1.0 / spec.soft_cap)) * spec.soft_cap
+  s, fold = scaled_scores(spec, item, s)
   if masked:
     s = mask_scores(spec, item, i, s)
   acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
@@ -543,6 +531,30 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry
   else:
     acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
   return acc, m_new, l_i
+
+
+def scaled_scores(spec, item: Item, s):
+  """The scores of a tile in base-2 logit units, but for one positive factor, ``fold``,
+  left to the exponent's fused multiply-add (``online_softmax``; None: none left):
+  (scores, fold). The row maximum commutes with a positive factor: the scale where it is
+  positive, and with a soft cap the cap itself (tanh(s * scale / cap), then times cap
+  in the exponent: one FMUL, one MUFU tanh, one FFMA per score). FP8's scale is the
+  item's (traced): never folded."""
+  if spec.fp8:
+    s = s * item.qk_scale
+  elif spec.fold_scale and spec.soft_cap is not None:
+    # Mosaic GPU's approx_math makes this one tanh.approx.f32 (relative error ~2^-11): the
+    # exact exp2 form (``logits.soft_capped``) costs two more MUFU operations per score,
+    # 1.4x the kernel's time on the H200 (BUILD_NOTES.md), where the one exp2 per score
+    # already loads that unit to about half the tensor cores' time.
+    return jnp.tanh(s * (spec.scale / spec.soft_cap)), spec.soft_cap
+  elif spec.fold_scale and spec.scale > 0:
+    return s, spec.scale
+  else:
+    s = s * spec.scale
+  if spec.soft_cap is not None:  # FP8, or fold_scale=False
+    s = jnp.tanh(s * (1.0 / spec.soft_cap)) * spec.soft_cap
+  return s, None
 
 
 def qk_scores(spec, scratch, turns, q_smem, i, slot):
@@ -575,17 +587,17 @@ def mask_scores(spec, item: Item, i, s):
 
 
 def online_softmax(spec, s, acc, m_i, l_i, *, fold):
-  """The running maximum and the tile's probabilities (base 2, the scale folded into the
-  exponent where ``fold``: one FFMA per score); the accumulators and the running sum
-  rescaled to the new maximum. Returns (acc, l, m_new, p, p in the input dtype). FP8
-  (never folded): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value
-  (at most 256)."""
+  """The running maximum and the tile's probabilities (base 2; where ``fold`` is not
+  None, the scores' last factor ``scaled_scores`` left, folded into the exponent: one
+  FFMA per score); the accumulators and the running sum rescaled to the new maximum.
+  Returns (acc, l, m_new, p, p in the input dtype). FP8 (never folded): the maximum kept
+  is P_BIAS less, so that P is 2**P_BIAS times its value (at most 256)."""
   if spec.fp8:
     m_new = jnp.maximum(m_i, s.max(axis=1) - P_BIAS)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-  elif fold:
-    m_new = jnp.maximum(m_i, s.max(axis=1) * spec.scale)
-    p = primitives.exp2_fma(s, spec.scale, lax.broadcast_in_dim(-m_new, s.shape, [0]))
+  elif fold is not None:
+    m_new = jnp.maximum(m_i, s.max(axis=1) * fold)
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]))
   else:
     m_new = jnp.maximum(m_i, s.max(axis=1))
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
