@@ -266,6 +266,33 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       rows but no access outside the arrays or NaN.
     NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
   """
+  batch, t, s, num_heads, num_kv_heads, head_dim = _check_arrays(query, key, value)
+  scales = fp8.scales(query, key, value, q_scale, k_scale, v_scale, batch=batch,
+                      num_kv_heads=num_kv_heads, names=("query", "key", "value"))
+  if scales is not None and output_dtype is None:
+    output_dtype = fp8.output_dtype_for(query.dtype)
+  mask = window_mask(is_causal, local_window_size)
+  backend = "auto" if backend is None else backend
+  val.check_sink_weights(sink_weights, num_heads)
+  layout, max_segments = _sequences(
+      query_seq_lengths, key_value_seq_lengths, segment_ids, padding_segment_id,
+      max_segments, batch, t, s)
+  val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
+                    output_dtype=output_dtype, config=config, interpret=interpret,
+                    backend=backend, logits_soft_cap=logits_soft_cap)
+  static = dispatch.static_options(
+      query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
+      output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
+      backend=backend, logits_soft_cap=logits_soft_cap)
+  return _padded_attention(query, key, value, *layout[1:], sink_weights, scales,
+                           segments=layout[0] == "segments",
+                           padding_segment_id=padding_segment_id,
+                           max_segments=max_segments, **static)
+
+
+def _check_arrays(query, key, value):
+  """``dot_product_attention``'s static checks of its three arrays (ranks, dtypes, batch,
+  lengths, heads and depths); returns (batch, T, S, num_heads, num_kv_heads, head_dim)."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     val.check_array(name, x, 4)
     val.check_float_dtype(name, x, fp8_ok=True)
@@ -284,39 +311,27 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     raise ValueError(f"query and key head dims differ: query {query.shape}, key {key.shape}")
   s, num_kv_heads = key.shape[1:3]
   val.check_heads(num_heads, num_kv_heads)
-  scales = fp8.scales(query, key, value, q_scale, k_scale, v_scale, batch=batch,
-                      num_kv_heads=num_kv_heads, names=("query", "key", "value"))
-  if scales is not None and output_dtype is None:
-    output_dtype = fp8.output_dtype_for(query.dtype)
   val.check_head_dim("head_dim", head_dim)
   val.check_head_dim("head_dim_v", value.shape[-1])
-  mask = window_mask(is_causal, local_window_size)
-  backend = "auto" if backend is None else backend
-  val.check_sink_weights(sink_weights, num_heads)
+  return batch, t, s, num_heads, num_kv_heads, head_dim
+
+
+def _sequences(query_seq_lengths, key_value_seq_lengths, segment_ids, padding_segment_id,
+               max_segments, batch, t, s):
+  """How ``dot_product_attention``'s caller describes the sequences, checked: (("lengths",
+  q_lengths, kv_lengths) or ("segments", q_ids, kv_ids), max_segments)."""
   if segment_ids is not None:
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
       raise ValueError("segment_ids and query_seq_lengths/key_value_seq_lengths describe "
                        "the sequences twice: pass one or the other")
     q_ids, kv_ids, max_segments = _segment_pair(segment_ids, padding_segment_id,
                                                 max_segments, batch, t, s)
-    layout = ("segments", q_ids, kv_ids)
-  else:
-    if padding_segment_id is not None or max_segments is not None:
-      raise ValueError("padding_segment_id and max_segments go with segment_ids")
-    _check_lengths("query_seq_lengths", query_seq_lengths, batch, t)
-    _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s)
-    layout = ("lengths", query_seq_lengths, key_value_seq_lengths)
-  val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
-                    output_dtype=output_dtype, config=config, interpret=interpret,
-                    backend=backend, logits_soft_cap=logits_soft_cap)
-  static = dispatch.static_options(
-      query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
-      output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
-      backend=backend, logits_soft_cap=logits_soft_cap)
-  return _padded_attention(query, key, value, *layout[1:], sink_weights, scales,
-                           segments=layout[0] == "segments",
-                           padding_segment_id=padding_segment_id,
-                           max_segments=max_segments, **static)
+    return ("segments", q_ids, kv_ids), max_segments
+  if padding_segment_id is not None or max_segments is not None:
+    raise ValueError("padding_segment_id and max_segments go with segment_ids")
+  _check_lengths("query_seq_lengths", query_seq_lengths, batch, t)
+  _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, s)
+  return ("lengths", query_seq_lengths, key_value_seq_lengths), max_segments
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS + (

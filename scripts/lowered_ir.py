@@ -110,6 +110,12 @@ def cases():
     out[f"{b}-mla-f32out-lse-sliding"] = _mla(
         b, total_q=1001, output_dtype=jnp.float32, return_lse=True,
         mask=masks.SlidingWindowCausalMask(300), max_prompt_len=512)
+    # The soft cap (Mosaic GPU folds it into exp2, for a scale of either sign)
+    out[f"{b}-mha-softcap-lse"] = _mha(b, logits_soft_cap=30.0, return_lse=True,
+                                       max_prompt_len=512)
+    out[f"{b}-mha-negscale-softcap"] = _mha(b, scale=-0.1, logits_soft_cap=5.0,
+                                            max_prompt_len=512)
+    out[f"{b}-mla-softcap"] = _mla(b, logits_soft_cap=50.0, max_prompt_len=512)
     out[f"{b}-mla-rope32"] = _mla(b, d=64, rope=32, dv=64, max_prompt_len=512) if (
         b == "triton") else None
     for page in (16, 64, 128):
