@@ -36,8 +36,8 @@ S = jax.ShapeDtypeStruct
 I32 = jnp.int32
 
 
-def _mha(backend, *, total_q=1000, total_kv=None, heads=8, kv_heads=2, d=128, dv=128,
-         dtype=jnp.bfloat16, sink=False, paged=None, **kw):
+def mha_call(backend, *, total_q=1000, total_kv=None, heads=8, kv_heads=2, d=128, dv=128,
+             dtype=jnp.bfloat16, sink=False, paged=None, **kw):
   """(fn, args) of an ``mha_prefill`` call; paged = (page_size, num_pages, max_pages)."""
   kv_rows = total_kv or total_q
   args = [S((total_q, heads, d), dtype)]
@@ -59,7 +59,7 @@ def _mha(backend, *, total_q=1000, total_kv=None, heads=8, kv_heads=2, d=128, dv
   return fn, args
 
 
-def _mla(backend, *, total_q=1000, heads=16, d=128, rope=64, dv=128, paged=None, **kw):
+def mla_call(backend, *, total_q=1000, heads=16, d=128, rope=64, dv=128, paged=None, **kw):
   bf = jnp.bfloat16
   q = S((total_q, heads, d + rope), bf)
   if paged:
@@ -91,58 +91,58 @@ def cases():
   for backend in ("triton", "mosaic_gpu"):
     b = backend
     for name, mask in MASKS.items():
-      out[f"{b}-mha-{name}"] = _mha(b, mask=mask, max_prompt_len=512)
-      out[f"{b}-mla-{name}"] = _mla(b, mask=mask, max_prompt_len=512)
-    out[f"{b}-mha-d64"] = _mha(b, d=64, dv=64, heads=16, kv_heads=16, max_prompt_len=512)
-    out[f"{b}-mha-d80v48"] = _mha(b, d=80, dv=48, max_prompt_len=512)
-    out[f"{b}-mha-d256-sink-lse"] = _mha(b, d=256, dv=256, kv_heads=1, sink=True,
-                                         return_lse=True, max_prompt_len=512)
-    out[f"{b}-mha-mqa-sink-lse"] = _mha(b, kv_heads=1, sink=True, return_lse=True,
-                                        max_prompt_len=512)
-    out[f"{b}-mha-kvoff-lse"] = _mha(b, total_q=1001, total_kv=1503, return_lse=True,
-                                     max_prompt_len=512)
-    out[f"{b}-mha-short-arrays"] = _mha(b, total_q=40, total_kv=50, max_prompt_len=64)
-    out[f"{b}-mha-f16-f32out-lse"] = _mha(b, dtype=jnp.float16, output_dtype=jnp.float32,
-                                          return_lse=True, max_prompt_len=512)
-    out[f"{b}-mha-long"] = _mha(b, max_prompt_len=4096, sink=True, return_lse=True)
-    out[f"{b}-mla-long"] = _mla(b, total_q=1001, max_prompt_len=4096)
-    out[f"{b}-mla-long-lse"] = _mla(b, return_lse=True, max_prompt_len=4096)
-    out[f"{b}-mla-f32out-lse-sliding"] = _mla(
+      out[f"{b}-mha-{name}"] = mha_call(b, mask=mask, max_prompt_len=512)
+      out[f"{b}-mla-{name}"] = mla_call(b, mask=mask, max_prompt_len=512)
+    out[f"{b}-mha-d64"] = mha_call(b, d=64, dv=64, heads=16, kv_heads=16, max_prompt_len=512)
+    out[f"{b}-mha-d80v48"] = mha_call(b, d=80, dv=48, max_prompt_len=512)
+    out[f"{b}-mha-d256-sink-lse"] = mha_call(b, d=256, dv=256, kv_heads=1, sink=True,
+                                             return_lse=True, max_prompt_len=512)
+    out[f"{b}-mha-mqa-sink-lse"] = mha_call(b, kv_heads=1, sink=True, return_lse=True,
+                                            max_prompt_len=512)
+    out[f"{b}-mha-kvoff-lse"] = mha_call(b, total_q=1001, total_kv=1503, return_lse=True,
+                                         max_prompt_len=512)
+    out[f"{b}-mha-short-arrays"] = mha_call(b, total_q=40, total_kv=50, max_prompt_len=64)
+    out[f"{b}-mha-f16-f32out-lse"] = mha_call(b, dtype=jnp.float16, output_dtype=jnp.float32,
+                                              return_lse=True, max_prompt_len=512)
+    out[f"{b}-mha-long"] = mha_call(b, max_prompt_len=4096, sink=True, return_lse=True)
+    out[f"{b}-mla-long"] = mla_call(b, total_q=1001, max_prompt_len=4096)
+    out[f"{b}-mla-long-lse"] = mla_call(b, return_lse=True, max_prompt_len=4096)
+    out[f"{b}-mla-f32out-lse-sliding"] = mla_call(
         b, total_q=1001, output_dtype=jnp.float32, return_lse=True,
         mask=masks.SlidingWindowCausalMask(300), max_prompt_len=512)
     # The soft cap (Mosaic GPU folds it into exp2, for a scale of either sign)
-    out[f"{b}-mha-softcap-lse"] = _mha(b, logits_soft_cap=30.0, return_lse=True,
-                                       max_prompt_len=512)
-    out[f"{b}-mha-negscale-softcap"] = _mha(b, scale=-0.1, logits_soft_cap=5.0,
-                                            max_prompt_len=512)
-    out[f"{b}-mla-softcap"] = _mla(b, logits_soft_cap=50.0, max_prompt_len=512)
-    out[f"{b}-mla-rope32"] = _mla(b, d=64, rope=32, dv=64, max_prompt_len=512) if (
+    out[f"{b}-mha-softcap-lse"] = mha_call(b, logits_soft_cap=30.0, return_lse=True,
+                                           max_prompt_len=512)
+    out[f"{b}-mha-negscale-softcap"] = mha_call(b, scale=-0.1, logits_soft_cap=5.0,
+                                                max_prompt_len=512)
+    out[f"{b}-mla-softcap"] = mla_call(b, logits_soft_cap=50.0, max_prompt_len=512)
+    out[f"{b}-mla-rope32"] = mla_call(b, d=64, rope=32, dv=64, max_prompt_len=512) if (
         b == "triton") else None
     for page in (16, 64, 128):
-      out[f"{b}-mha-paged{page}"] = _mha(b, paged=(page, 40 * 64 // page, 12 * 64 // page),
-                                         max_prompt_len=512)
-    out[f"{b}-mha-paged64-lse-sliding"] = _mha(
+      out[f"{b}-mha-paged{page}"] = mha_call(b, paged=(page, 40 * 64 // page, 12 * 64 // page),
+                                             max_prompt_len=512)
+    out[f"{b}-mha-paged64-lse-sliding"] = mha_call(
         b, paged=(64, 40, 12), return_lse=True, mask=masks.SlidingWindowCausalMask(200),
         max_prompt_len=512)
-    out[f"{b}-mla-paged128"] = _mla(b, paged=(128, 40, 12), max_prompt_len=512)
-    out[f"{b}-mla-paged64-long"] = _mla(b, paged=(64, 80, 24), max_prompt_len=4096)
+    out[f"{b}-mla-paged128"] = mla_call(b, paged=(128, 40, 12), max_prompt_len=512)
+    out[f"{b}-mla-paged64-long"] = mla_call(b, paged=(64, 80, 24), max_prompt_len=4096)
   c = pp.MosaicConfig
   m = "mosaic_gpu"
-  out["mosaic_gpu-mha-one-program"] = _mha(m, sink=True, return_lse=True,
-                                           config=c(num_programs=1), max_prompt_len=512)
-  out["mosaic_gpu-mha-unit-per-program"] = _mha(
+  out["mosaic_gpu-mha-one-program"] = mha_call(m, sink=True, return_lse=True,
+                                               config=c(num_programs=1), max_prompt_len=512)
+  out["mosaic_gpu-mha-unit-per-program"] = mha_call(
       m, config=c(block_kv=64, num_stages=3, num_programs=2**31 - 1), max_prompt_len=512)
-  out["mosaic_gpu-mla-one-buffer"] = _mla(m, total_q=1001, config=c(block_kv=128, num_stages=2),
-                                          max_prompt_len=512)
-  split = c(block_kv=64, num_stages=2, split_units=True)
-  out["mosaic_gpu-mha-split"] = _mha(m, config=split, max_prompt_len=512)
-  out["mosaic_gpu-mha-split-lse-sink"] = _mha(m, config=split, sink=True, return_lse=True,
+  out["mosaic_gpu-mla-one-buffer"] = mla_call(m, total_q=1001, config=c(block_kv=128, num_stages=2),
                                               max_prompt_len=512)
-  out["mosaic_gpu-mha-split-paged64"] = _mha(m, config=split, paged=(64, 40, 12),
-                                             max_prompt_len=512)
-  out["mosaic_gpu-mla-split"] = _mla(m, config=split, max_prompt_len=512)
-  out["triton-mha-config"] = _mha("triton", config=pp.MhaConfig(128, 64, 8, 2),
-                                  max_prompt_len=512)
+  split = c(block_kv=64, num_stages=2, split_units=True)
+  out["mosaic_gpu-mha-split"] = mha_call(m, config=split, max_prompt_len=512)
+  out["mosaic_gpu-mha-split-lse-sink"] = mha_call(m, config=split, sink=True, return_lse=True,
+                                                  max_prompt_len=512)
+  out["mosaic_gpu-mha-split-paged64"] = mha_call(m, config=split, paged=(64, 40, 12),
+                                                 max_prompt_len=512)
+  out["mosaic_gpu-mla-split"] = mla_call(m, config=split, max_prompt_len=512)
+  out["triton-mha-config"] = mha_call("triton", config=pp.MhaConfig(128, 64, 8, 2),
+                                      max_prompt_len=512)
   return {k: v for k, v in out.items() if v is not None}
 
 
