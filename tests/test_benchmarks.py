@@ -285,6 +285,21 @@ def test_timers_runs_every_method_in_turns(tmp_path):
   assert all(r["ms"] > 0 and r["sm_mhz"] is None for r in rows)
 
 
+def test_lowering_time_times_both_backends(capsys):
+  """benchmarks.experiments.lowering_time at a small size: a row of trace and lowering
+  seconds per backend and repeat, and the profile's table when asked for."""
+  from benchmarks.experiments import lowering_time
+
+  lowering_time.main(["--total-q", "300", "--max-prompt-len", "256", "--repeats", "1",
+                      "--profile", "3"])
+  out = capsys.readouterr().out
+  rows = [line.split("|")[1:-1] for line in out.splitlines()
+          if line.startswith("| mosaic_gpu") or line.startswith("| triton")]
+  assert [(r[0].strip(), r[1].strip()) for r in rows] == [("mosaic_gpu", "0"), ("triton", "0")]
+  assert all(float(x) > 0 for r in rows for x in r[2:])
+  assert "cumulative" in out
+
+
 def test_torch_systems_are_waited_for_on_their_stream(monkeypatch):
   """``Prepared.wait`` for a torch system synchronizes torch's device (JAX's
   ``block_until_ready`` does not wait for it), and ``run.bench_jax`` waits that way at
