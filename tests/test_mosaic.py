@@ -41,6 +41,42 @@ from tests import cases
 from tests.test_paged import PAGED_CASES, with_kv_lens
 
 
+def _tile_reader(native, seq, start, bkv, rows_of):
+  """``tile(x, head)``: rows [start, start + bkv) of sequence ``seq``'s K or V as the
+  kernel reads them: from the packed rows (``rows_of``, zeros outside the array), or on a
+  native paged cache ``(block_table, page_size)`` from its pages, in pieces from
+  consecutive pages where the tile is larger than a page."""
+  if native is None:
+    return lambda x, head: rows_of(x[:, head], start, bkv)
+  block_table, page_size = native
+  pages = layout.tile_pages(bkv, page_size)
+  piece = bkv // pages
+  spots = [(block_table[seq, min((start + j * piece) // page_size, block_table.shape[1] - 1)],
+            (start + j * piece) % page_size) for j in range(pages)]
+  assert all(row + piece <= page_size for _, row in spots), "a piece spans pages"
+  return lambda x, head: np.concatenate([x[page, row:row + piece, head]
+                                         for page, row in spots])
+
+
+def _v_tile_as_loaded(vt, paged, align, i, start, kv_len, kv_end):
+  """V tile i (rows from ``start``) with the zeros the kernel's V source puts in it:
+  ``v_last`` past a paged sequence's last key; ``v_tail`` past the batch's last key
+  (``kv_end``) for the invariant tiles (``align == 1``), and for the aligned ones in the
+  tile at row 0 and the tail group of 8 rows."""
+  bkv = vt.shape[0]
+  if paged:
+    if i == max(kv_len - 1, 0) // bkv:  # the sequence's last tile, from v_last
+      vt = np.where((start + np.arange(bkv) < kv_len)[:, None], vt, 0.0)
+  elif align == 1:  # a tile past the last key from v_tail: zeros past it
+    vt[start + np.arange(bkv) >= kv_end] = 0.0
+  elif start == 0 and kv_end // 8 < bkv // 8 - 1:  # the tile at row 0, from v_tail
+    vt[np.arange(bkv) >= kv_end] = 0.0
+  elif start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
+    tail_rows = start + bkv - 8 + np.arange(8)
+    vt[bkv - 8:][tail_rows >= kv_end] = 0.0
+  return vt
+
+
 def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   """The Mosaic GPU kernel's schedule in NumPy float64, on MHA or MLA inputs; a paged
   cache read page by page (pages of ``layout.MIN_NATIVE_PAGE`` rows or more) or gathered
@@ -124,20 +160,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       acc = np.zeros((bq, dv))
       for i in range(t_lo, t_hi):
         start = int(mosaic_kernel.tile_first_row(kv_row, kv_last, i, **unit))
-        if native is not None:
-          # Positions [start, start + bkv) of the sequence, inside one page.
-          # (pieces of them from consecutive pages where the tile is larger than a page)
-          block_table, page_size = native
-          pages = layout.tile_pages(bkv, page_size)
-          piece = bkv // pages
-          spots = [(block_table[t[c("SEQ")], min((start + j * piece) // page_size,
-                                                  block_table.shape[1] - 1)],
-                    (start + j * piece) % page_size) for j in range(pages)]
-          assert all(row + piece <= page_size for _, row in spots), "a piece spans pages"
-          tile = lambda x, head, spots=spots, piece=piece: np.concatenate(  # noqa: E731
-              [x[page, row:row + piece, head] for page, row in spots])
-        else:
-          tile = lambda x, head, start=start: rows_of(x[:, head], start, bkv)  # noqa: E731
+        seq = t[c("SEQ")] if native is not None else None  # (paged tables only)
+        tile = _tile_reader(native, seq, start, bkv, rows_of)
         s = sum(qx @ tile(kx, kvh if kx.shape[-2] > 1 else 0).T
                 for qx, kx in zip(qs, k_parts)) * scale
         if kwargs.get("logits_soft_cap") is not None:
@@ -149,17 +173,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
                                                     kv_len, **unit))
         if u_lo <= i < u_hi:
           assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
-        vt = tile(v, kvh)
-        if native is not None:
-          if i == max(kv_len - 1, 0) // bkv:  # the sequence's last tile, from v_last
-            vt = np.where((start + np.arange(bkv) < kv_len)[:, None], vt, 0.0)
-        elif align == 1:  # a tile past the last key from v_tail: zeros past it
-          vt[start + np.arange(bkv) >= kv_end] = 0.0
-        elif start == 0 and kv_end // 8 < bkv // 8 - 1:  # the tile at row 0, from v_tail
-          vt[np.arange(bkv) >= kv_end] = 0.0
-        elif start // 8 + (bkv - 8) // 8 == kv_end // 8:  # the V tail group
-          tail_rows = start + bkv - 8 + np.arange(8)
-          vt[bkv - 8:][tail_rows >= kv_end] = 0.0
+        vt = _v_tile_as_loaded(tile(v, kvh), native is not None, align, i, start, kv_len,
+                               kv_end)
         s = np.where(vis, s, -np.inf)
         m_new = np.maximum(m, s.max(axis=1))
         p = np.where(np.isneginf(s), 0.0, np.exp(s - np.where(np.isneginf(m_new), 0,
