@@ -35,9 +35,9 @@ def call(kernel, backend, total_q, max_prompt_len):
   """(fn, abstract args) of one of our calls at the harness's shapes."""
   if kernel == "mha":
     return lowered_ir.mha_call(backend, total_q=total_q, heads=32, kv_heads=8,
-                           max_prompt_len=max_prompt_len)
+                               max_prompt_len=max_prompt_len)
   return lowered_ir.mla_call(backend, total_q=total_q, heads=128,
-                         max_prompt_len=max_prompt_len)
+                             max_prompt_len=max_prompt_len)
 
 
 def trace_and_lower(fn, args):
