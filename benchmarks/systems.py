@@ -381,18 +381,20 @@ def quantize_problem(problem: Problem, per_tensor=False) -> Fp8Problem:
   return Fp8Problem(quantized, dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale))
 
 
-def pallas_prefill_fp8(problems):
+def pallas_prefill_fp8(problems, mosaic_options=None):
   """Ours as pallas_prefill_default calls it (packed, or on the paged cache; no backend
   argument, ``"auto"``) on the batch in float8_e4m3fn with per-K/V-head scales
   (``quantize_problem``), bf16 output: what FP8 inputs gain over pallas_prefill_default.
   Checked against the float32 reference of the dequantized inputs, within FP8_TOLERANCE.
   MLA passes one k_scale for k_nope and k_rope (per tensor: the one rope head serves
   every K/V head); where ``mla_prefill`` refuses FP8 (TypeError, ValueError,
-  NotImplementedError) the row is not run, with the reason."""
+  NotImplementedError) the row is not run, with the reason. With ``mosaic_options``, their
+  Mosaic GPU config (``mosaic_config``) instead of auto's."""
   quantized = [quantize_problem(p) for p in problems]
   p0 = quantized[0].problem
   prepared = _pallas([f.problem for f in quantized], paged=p0.paged is not None,
-                     backend=None, fp8_scales=[f.scales for f in quantized])
+                     backend=None, fp8_scales=[f.scales for f in quantized],
+                     config=mosaic_config(mosaic_options, p0))
   try:  # lowered here, not after the first call: a refusal is "not run", not a failure
     ran = backend_ran(prepared.fn, *prepared.arg_sets[0])
   except (TypeError, ValueError, NotImplementedError) as e:
@@ -802,7 +804,8 @@ PADDED_ANCHORS = ("cudnn_padded", "xla_padded", "tokamax_mosaic", "tokamax_trito
 # The systems that take ``--mosaic-options``: the Mosaic GPU backend's, ours padded and
 # ours soft-capped.
 MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu"
-                       ) + ("pallas_prefill_padded", "pallas_prefill_softcap")
+                       ) + ("pallas_prefill_padded", "pallas_prefill_softcap",
+                            "pallas_prefill_fp8")
 
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,

@@ -66,8 +66,8 @@ class MosaicOptions:
       TMA copy from each); False cuts ``block_kv`` to the page.
     skip_keyless_q: a unit with no KV tile (the padding rows of ``dot_product_attention``,
       rows past the last offset, queries that see no key) loads no Q tile and waits for
-      none: it only stores its zeros. An experiment of issue 23, off until the H200 has
-      run it (BUILD_NOTES.md).
+      none: it only stores its zeros (issue 23; padded skew16_16k 1.07x-1.09x on the
+      H200, BUILD_NOTES.md). False: every unit loads its Q tile.
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the
@@ -75,6 +75,12 @@ class MosaicOptions:
       8 rows, the last one shifted back to end in the 8-row group of the last key (the
       kernel before issue 25). FP8 keeps aligned tiles (its V^T tiles start at multiples
       of 16 keys, TMA's alignment) and so is not batch invariant.
+    poly_exp2: of every 8 of a compute thread's score registers (2 scores each), how many
+      (0 to 8) take the softmax's exp2 as a polynomial on the FMA pipes
+      (``primitives.exp2_fma``, relative error 1.0e-4) instead of ``ex2.approx`` on the
+      MUFU unit, which a soft cap's tanh shares (FlashAttention-4's trick). Where the
+      scale is folded (the default bf16 path) and in FP8; 0 keeps every exp2 on the MUFU.
+      An experiment of issues 23 and 25 (BUILD_NOTES.md).
   """
 
   dynamic: bool = True
@@ -83,8 +89,9 @@ class MosaicOptions:
   build_work_list: bool = True
   fold_scale: bool = True
   tile_spans_pages: bool = True
-  skip_keyless_q: bool = False
+  skip_keyless_q: bool = True
   batch_invariant: bool = True
+  poly_exp2: int = 0
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
@@ -95,6 +102,10 @@ class MosaicOptions:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in (0, 1)):
         raise ValueError(f"MosaicOptions.{name} must be None, 0 or 1, got {value!r}")
+    if (isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int)
+        or not 0 <= self.poly_exp2 <= 8):
+      raise ValueError(f"MosaicOptions.poly_exp2 must be an int in [0, 8], got "
+                       f"{self.poly_exp2!r}")
 
 
 @dataclasses.dataclass(frozen=True)

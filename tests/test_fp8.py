@@ -6,6 +6,7 @@ interpret mode (and compiled, ``gpu``-marked), the lowering for an H200, and the
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -167,15 +168,18 @@ def _expected_dtype(q_dtype):
   return jnp.dtype(jnp.bfloat16) if fp8.is_fp8(q_dtype) else jnp.dtype(q_dtype)
 
 
-def check_fp8_case(case: Fp8Case, *, interpret, poison=None):
+def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None):
   """The case on fresh random inputs against the reference of the same FP8 values: the
   output dtype, no NaN (so every row was written), the error, zeros past the last
-  offset, and the LSE. Returns the relative error."""
+  offset, and the LSE (the kernel with `config` where given). Returns the relative
+  error."""
   seed = cases.fresh_seed()
   tag = f"{case.name} seed={seed}"
   args, kw, last = _inputs(case, seed)
   kernel, reference = cases.ENTRY_POINTS[case.kind]
   expected = reference(*args, **kw)
+  if config is not None:
+    kernel = functools.partial(kernel, config=config)
   if poison is not None:
     poison()
   result = kernel(*args, interpret=interpret, **kw)

@@ -387,9 +387,45 @@ def test_padded_compiled_hlo_copies_nothing(backend, layout):
 
 @pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"][::3]
                          + PADDED_GPU_CASES[-5:], ids=lambda c: c.name)
-def test_padded_keyless_units_skip_q(case):
-  """``MosaicOptions.skip_keyless_q`` (issue 23's experiment, off by default): units
-  without KV tiles neither load Q nor wait for it; the results stay exact."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))
+def test_padded_keyless_units_load_q(case):
+  """``MosaicOptions(skip_keyless_q=False)``: units without KV tiles load Q and wait for
+  it as the others do (the default skips both, which every other Mosaic GPU test runs);
+  the results stay exact."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
+
+
+def _poly(case, eighths):
+  return dataclasses.replace(case, config=pp.MosaicConfig(
+      options=pp.MosaicOptions(poly_exp2=eighths)))
+
+
+@pytest.mark.parametrize("case", [
+    _poly(c, 4) for c in MOSAIC_CASES if cases.mosaic_serves(c) and c.soft_cap is not None] + [
+    _poly(cases.mosaic_variant(_LARGE), 4),
+    _poly(dataclasses.replace(_LARGE, lse=True, sink=True, soft_cap=30.0), 8),
+    _poly(dataclasses.replace(_LARGE, mask=masks.SlidingWindowCausalMask(512), soft_cap=5.0), 3),
+    _poly(dataclasses.replace(_LARGE, kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True,
+                              mask=masks.NullMask()), 8),
+    _poly(dataclasses.replace(_DEEPSEEK, soft_cap=50.0, lse=True), 4),
+    _poly(dataclasses.replace(_LARGE, page_size=64, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000),
+                              soft_cap=30.0), 4),
+], ids=lambda c: c.name)
+def test_mosaic_poly_exp2(case):
+  """``MosaicOptions.poly_exp2`` (issues 23 and 25's experiment, off by default): part of
+  the exp2s as a polynomial on the FMA pipes; rows that see no key still come out zero
+  (the polynomial gives exactly 0 for a masked score), and the results stay within the
+  tolerance."""
+  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_mosaic_poly_exp2_fp8(kind):
+  """FP8 (e4m3 Q, K, V on Mosaic GPU) with ``poly_exp2``: against the reference of the
+  dequantized inputs."""
+  from tests import test_fp8  # pylint: disable=g-import-not-at-top
+  case = test_fp8.Fp8Case() if kind == "mha" else test_fp8._MLA  # pylint: disable=protected-access
+  assert case.kind == kind and case.dtype == "float8_e4m3fn", case
+  test_fp8.check_fp8_case(case, interpret=False, poison=poison_device_memory,
+                          config=pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4)))

@@ -34,7 +34,7 @@ import pallas_prefill as pp
 from pallas_prefill import config as config_lib
 from pallas_prefill import constants, logits, masks, mosaic_gpu
 from pallas_prefill.mosaic_gpu import kernel as mosaic_kernel
-from pallas_prefill.mosaic_gpu import layout, operands, schedule, smem
+from pallas_prefill.mosaic_gpu import layout, operands, primitives, schedule, smem
 from pallas_prefill.mosaic_gpu import work_list as xla_work_list
 from tests import lowered as lowered_lib
 from tests import cases
@@ -752,7 +752,9 @@ def test_split_units_need_dynamic_scheduling():
 
 @pytest.mark.parametrize("options,match", [
     (dict(dynamic=1), "dynamic"), (dict(head_major=2), "head_major"),
-    (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale")])
+    (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale"),
+    (dict(poly_exp2=9), "poly_exp2"), (dict(poly_exp2=True), "poly_exp2"),
+    (dict(poly_exp2=2.0), "poly_exp2")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
@@ -824,6 +826,10 @@ class Lowered:
     return lower_for_h200(fn, *args)
 
 
+def POLY(eighths):  # noqa: N802 (reads as a config constant in the table below)
+  return pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=eighths))
+
+
 LOWERED = [
     *[Lowered(mask=m) for m in (masks.CausalMask(), masks.NullMask(),
                                  masks.SlidingWindowCausalMask(128), masks.ChunkedCausalMask(256))],
@@ -855,10 +861,10 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16, head_dim=64, head_dim_v=64, rope=32),
     Lowered(soft_cap=30.0, lse=True, sink=True),
     Lowered(kind="mla", heads=16, kv_heads=16, soft_cap=50.0),
-    # MosaicOptions.skip_keyless_q (issue 23's experiment): units without KV tiles load no Q
-    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
+    # MosaicOptions(skip_keyless_q=False): units without KV tiles load Q as the others do
+    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
-            config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=True))),
+            config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),
@@ -876,7 +882,41 @@ LOWERED = [
             config=pp.MosaicConfig(block_kv=64, num_stages=3)),
     Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, lse=True,
             scale_shape=(16,)),
+    # MosaicOptions.poly_exp2 (issues 23 and 25): part of the exp2s on the FMA pipes
+    Lowered(soft_cap=30.0, lse=True, config=POLY(4)),
+    Lowered(kind="mla", heads=16, kv_heads=16, config=POLY(8)),
+    Lowered(mask=masks.SlidingWindowCausalMask(128), sink=True, config=POLY(3)),
+    Lowered(dtype="float8_e4m3fn", config=POLY(4)),
 ]
+
+
+def test_poly_exp2_error_and_zeros():
+  """The polynomial exp2 of ``MosaicOptions.poly_exp2``, step for step as its PTX runs
+  (``primitives.poly_exp2_model``): relative error under 1.1e-4 wherever exp2 is normal,
+  exactly 0 for masked scores (-inf) and anything at or below -127 (so a row that sees no
+  key keeps a zero sum), exactly 1 at 0, never negative or NaN; the PTX carries the
+  model's constants."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = np.concatenate([rng.uniform(-130.0, 0.5, 200_000), -rng.exponential(4.0, 100_000),
+                      np.arange(-130, 1)]).astype(np.float32)
+  y = primitives.poly_exp2_model(x)
+  ref = np.exp2(x.astype(np.float64))
+  normal = x > -125
+  rel = np.abs(y[normal] - ref[normal]) / ref[normal]
+  assert rel.max() < 1.1e-4, rel.max()
+  assert (y >= 0).all() and np.isfinite(y).all()
+  special = np.array([-np.inf, -1e30, -200.0, -127.0, 0.0], np.float32)
+  np.testing.assert_array_equal(primitives.poly_exp2_model(special), [0, 0, 0, 0, 1])
+  ptx = primitives._POLY_EXP2_PTX  # pylint: disable=protected-access
+  for c in (*primitives.POLY_EXP2_COEFFS, primitives.POLY_EXP2_CLAMP):
+    assert f"0f{int(np.float32(c).view(np.uint32)):08X}" in ptx, c
+
+
+def test_poly_exp2_reaches_the_kernel_only_when_asked():
+  """The polynomial's PTX is in the lowered kernel with ``poly_exp2`` and absent without."""
+  marker = "sub.rn.f32 f, x, j"
+  assert marker in Lowered(soft_cap=30.0, config=POLY(4)).lower().as_text()
+  assert marker not in Lowered(soft_cap=30.0).lower().as_text()
 
 
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)

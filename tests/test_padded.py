@@ -307,12 +307,13 @@ def test_padded_lowers_without_copies(backend, layout):
 LOWERED_CASES = [c for c in PADDED_CASES if not c.jit and c.dtype == "bfloat16"]
 
 
-def test_the_keyless_units_experiment_lowers_and_changes_only_the_q_loads():
-  """``MosaicOptions(skip_keyless_q=True)`` through ``dot_product_attention``'s config:
-  the kernel lowers for an H200, and differs from the default's."""
+def test_the_keyless_units_option_lowers_and_changes_the_kernel():
+  """``MosaicOptions(skip_keyless_q=False)`` (key-less units load Q like the others)
+  through ``dot_product_attention``'s config: the kernel lowers for an H200, and differs
+  from the default's (which skips their Q loads)."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   texts = []
-  for options in (pp.MosaicOptions(), pp.MosaicOptions(skip_keyless_q=True)):
+  for options in (pp.MosaicOptions(), pp.MosaicOptions(skip_keyless_q=False)):
     from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
     s = jax.ShapeDtypeStruct
     q = s((4, 512, 8, 128), jnp.bfloat16)

@@ -99,7 +99,8 @@ class KernelSpec:
   (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
   skip_keyless_q: ``MosaicOptions.skip_keyless_q``; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
-  (batch invariant), 8 where at a multiple of 8 or 16.
+  (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
+  ``MosaicOptions.poly_exp2``.
   """
 
   parts: tuple
@@ -124,8 +125,9 @@ class KernelSpec:
   fold_scale: bool = True
   soft_cap: float | None = None
   top_left: bool = False
-  skip_keyless_q: bool = False
+  skip_keyless_q: bool = True
   kv_unit: int = 8
+  poly_exp2: int = 0
 
   @property
   def chunks(self):
@@ -591,13 +593,19 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   None, the scores' last factor ``scaled_scores`` left, folded into the exponent: one
   FFMA per score); the accumulators and the running sum rescaled to the new maximum.
   Returns (acc, l, m_new, p, p in the input dtype). FP8 (never folded): the maximum kept
-  is P_BIAS less, so that P is 2**P_BIAS times its value (at most 256)."""
+  is P_BIAS less, so that P is 2**P_BIAS times its value (at most 256). With
+  ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
+  (``primitives.exp2_fma``)."""
+  poly = dict(poly_eighths=spec.poly_exp2)
   if spec.fp8:
     m_new = jnp.maximum(m_i, s.max(axis=1) - P_BIAS)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    if spec.poly_exp2:
+      p = primitives.exp2_fma(s, 1.0, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
+    else:
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
   elif fold is not None:
     m_new = jnp.maximum(m_i, s.max(axis=1) * fold)
-    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]))
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
   else:
     m_new = jnp.maximum(m_i, s.max(axis=1))
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))

@@ -1,15 +1,19 @@
 """Mosaic GPU primitives the kernel needs that Pallas does not expose: PTX named barriers
-with a traced id, a fused multiply-add before ``ex2.approx``, the atomic claim of the next
-unit, and the two-copy TMA of a row range whose last 8 rows may come from elsewhere."""
+with a traced id, a fused multiply-add before ``ex2.approx`` (or before a polynomial exp2
+on the FMA pipes), the atomic claim of the next unit, and the two-copy TMA of a row range
+whose last 8 rows may come from elsewhere."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
-from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, scf, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 
 from pallas_prefill.mosaic_gpu import layout as L
@@ -26,10 +30,77 @@ def named_barrier(op: str, barrier_id, threads: int = 2 * 128):
   bar(jnp.asarray(barrier_id, jnp.int32))
 
 
-def exp2_fma(s, scale: float, neg_m):
+# exp2 on the FMA pipes (FlashAttention-4's trick, for Hopper's 16 MUFU operations per
+# clock and SM): 2**x = 2**j * 2**f with j = round(x) by the 1.5 * 2**23 addition (FADD,
+# not the conversion unit), f = x - j in [-0.5, 0.5], 2**f = 1 + f (c1 + f (c2 + f c3))
+# (relative error 1.0e-4, below bf16's 2**-9 rounding of P; the constant term is exactly 1),
+# and j added to the exponent bits. x is clamped to -127 first, where f = 0 and the sum of
+# the bits is exactly +0.0: a masked score (-inf) gives 0 as ex2.approx does; x in
+# (-127, -126) gives a subnormal. ``poly_exp2_model`` is the same steps in NumPy.
+POLY_EXP2_COEFFS = (0.6932829022407532, 0.2422109693288803, 0.05500892922282219)
+POLY_EXP2_CLAMP = -127.0
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + it has round(x) in its low mantissa bits
+
+
+def _f32_hex(value: float) -> str:
+  return f"0f{int(np.float32(value).view(np.uint32)):08X}"
+
+
+_POLY_EXP2_PTX = "\n".join([
+    "{",
+    ".reg .f32 x, t, j, f, p;",
+    ".reg .b32 e, r;",
+    f"max.f32 x, $1, {_f32_hex(POLY_EXP2_CLAMP)};",
+    f"add.rn.f32 t, x, {_f32_hex(_ROUND_MAGIC)};",
+    f"sub.rn.f32 j, t, {_f32_hex(_ROUND_MAGIC)};",
+    "sub.rn.f32 f, x, j;",
+    f"fma.rn.f32 p, f, {_f32_hex(POLY_EXP2_COEFFS[2])}, {_f32_hex(POLY_EXP2_COEFFS[1])};",
+    f"fma.rn.f32 p, p, f, {_f32_hex(POLY_EXP2_COEFFS[0])};",
+    f"fma.rn.f32 p, p, f, {_f32_hex(1.0)};",
+    "shl.b32 e, t, 23;",
+    "mov.b32 r, p;",
+    "add.s32 r, r, e;",
+    "mov.b32 $0, r;",
+    "}",
+])
+
+
+def poly_exp2_model(x):
+  """``exp2_fma``'s polynomial exp2 in NumPy float32, step for step (the FMAs rounded
+  once each): what the tests hold the PTX's error and its zeros to."""
+  x = np.maximum(np.asarray(x, np.float32), np.float32(POLY_EXP2_CLAMP))
+  magic = np.float32(_ROUND_MAGIC)
+  t = x + magic
+  f = x - (t - magic)
+  c1, c2, c3 = (np.float64(np.float32(c)) for c in POLY_EXP2_COEFFS)
+  f64 = f.astype(np.float64)
+  p = np.float32(f64 * c3 + c2)
+  p = np.float32(p.astype(np.float64) * f64 + c1)
+  p = np.float32(p.astype(np.float64) * f64 + 1.0)
+  return (p.view(np.int32) + (t.view(np.int32) << 23)).view(np.float32)
+
+
+def _per_element(fn, reg):
+  """fn on each f32 of a register (an f32 or a vector of them)."""
+  if not isinstance(reg.type, ir.VectorType):
+    return fn(reg)
+  result = llvm.mlir_undef(reg.type)
+  for i in range(ir.VectorType(reg.type).shape[0]):
+    pos = ir.DenseI64ArrayAttr.get([i])
+    elem = vector.extract(reg, dynamic_position=[], static_position=pos)
+    result = vector.insert(fn(elem), result, dynamic_position=[], static_position=pos)
+  return result
+
+
+def exp2_fma(s, scale: float, neg_m, *, poly_eighths: int = 0):
   """exp2(s * scale + neg_m) for scores s [rows, cols] in the WGMMA layout and neg_m
   [rows, cols] (a row vector broadcast): one fused multiply-add and one ``ex2.approx``
-  per element (Mosaic GPU emits a multiplication and an addition as two instructions)."""
+  per element (Mosaic GPU emits a multiplication and an addition as two instructions).
+  ``poly_eighths`` of every 8 of a thread's registers (each 2 scores) take the polynomial
+  exp2 on the FMA pipes instead (``POLY_EXP2_COEFFS``), which relieves the MUFU unit
+  where it, not the tensor cores, is the limit (a soft cap's tanh)."""
+  if not 0 <= poly_eighths <= 8:
+    raise ValueError(f"poly_eighths must be in [0, 8], got {poly_eighths}")
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
                      return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32,
@@ -43,7 +114,16 @@ def exp2_fma(s, scale: float, neg_m):
         k = vector.broadcast(a.type, k)
       return mlir_math.fma(a, k, c)
 
-    return x._pointwise(fma, b).exp2(approx=True)  # pylint: disable=protected-access
+    y = x._pointwise(fma, b)  # pylint: disable=protected-access
+    if not poly_eighths:
+      return y.exp2(approx=True)
+    asm = lambda ptx: functools.partial(  # noqa: E731
+        _per_element, lambda e: llvm.inline_asm(f32, [e], ptx, "=f,f"))
+    exact, poly = asm("ex2.approx.ftz.f32 $0, $1;"), asm(_POLY_EXP2_PTX)
+    regs = np.empty_like(y.registers)
+    for n, (idx, reg) in enumerate(np.ndenumerate(y.registers)):
+      regs[idx] = poly(reg) if n % 8 < poly_eighths else exact(reg)
+    return mgpu.FragmentedArray(_registers=regs, _layout=y.layout, _is_signed=None)
 
   return fma_exp2(s, neg_m)
 
