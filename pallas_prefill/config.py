@@ -11,8 +11,12 @@ import jax.numpy as jnp
 from pallas_prefill.tuned import TUNED, TUNED_MOSAIC
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_pow2(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+  return _is_int(x) and x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +40,7 @@ class MhaConfig:
       value = getattr(self, name)
       if not _is_pow2(value) or value < 16:
         raise ValueError(f"MhaConfig.{name} must be a power of two >= 16, got {value!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
+    if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"MhaConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
     if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
         self.num_stages < 1):
@@ -102,7 +106,7 @@ class MosaicOptions:
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):
       value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or value not in (0, 1)):
+      if value is not None and (not _is_int(value) or value not in (0, 1)):
         raise ValueError(f"MosaicOptions.{name} must be None, 0 or 1, got {value!r}")
     if (isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int)
         or not 0 <= self.poly_exp2 <= 8):
@@ -142,10 +146,10 @@ class MosaicConfig:
   def __post_init__(self):
     if not isinstance(self.options, MosaicOptions):
       raise ValueError(f"MosaicConfig.options must be a MosaicOptions, got {self.options!r}")
-    if self.block_q != 64:
+    if not _is_int(self.block_q) or self.block_q != 64:
       raise ValueError(f"MosaicConfig.block_q must be 64 (one warpgroup's matrix "
                        f"instruction rows), got {self.block_q!r}")
-    if self.block_kv not in (64, 128) or isinstance(self.block_kv, bool):
+    if not _is_int(self.block_kv) or self.block_kv not in (64, 128):
       raise ValueError(f"MosaicConfig.block_kv must be 64 or 128, got {self.block_kv!r}")
     if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
         self.num_stages < 2):

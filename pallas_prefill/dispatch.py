@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_prefill import mosaic_gpu
 from pallas_prefill import triton as triton_backend
@@ -176,6 +177,8 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
                    config, interpret, backend="auto", logits_soft_cap=None) -> dict:
   """Validated options in the hashable form the jitted implementations take, defaults
   resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
+  if not isinstance(return_lse, (bool, np.bool_)):
+    raise TypeError(f"return_lse must be a static bool, got {return_lse!r}")
   return dict(
       max_prompt_len=int(max_prompt_len), mask=mask,
       scale=float(depth ** -0.5 if scale is None else scale),

@@ -14,7 +14,9 @@ quantization the tests (and users) start from.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
@@ -40,6 +42,12 @@ def check_scale(name, scale, batch, num_kv_heads):
   if tuple(shape) not in ((), (num_kv_heads,), (batch, num_kv_heads)):
     raise ValueError(f"{name} must be a scalar, [num_kv_heads] = [{num_kv_heads}] or "
                      f"[batch, num_kv_heads] = [{batch}, {num_kv_heads}], got {tuple(shape)}")
+  if not isinstance(scale, jax.core.Tracer):
+    values = np.asarray(scale, np.float32)
+    if not (np.isfinite(values) & (values > 0)).all():
+      bad = values[~(np.isfinite(values) & (values > 0))].flat[0]
+      raise ValueError(f"{name} must be finite and > 0 (a dequantization scale), got "
+                       f"{bad}")
   return jnp.broadcast_to(scale, (batch, num_kv_heads))
 
 

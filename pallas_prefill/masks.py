@@ -22,11 +22,27 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+
+# A window or chunk bound: positions are int32 and can be negative (cross-attention), so
+# q_pos - window must not wrap; no sequence comes near 2**30 tokens.
+MAX_SPAN = 2**30
 
 
 def _clip(x, kv_len):
   return jnp.clip(x, 0, kv_len)
+
+
+def _check_span(mask, field):
+  """The mask's ``field`` as a Python int in [1, MAX_SPAN] (NumPy ints accepted)."""
+  value = getattr(mask, field)
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+      1 <= value <= MAX_SPAN):
+    raise ValueError(f"{type(mask).__name__}.{field} must be an int >= 1, got {value!r} "
+                     "(and at most 2**30)")
+  object.__setattr__(mask, field, int(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +83,7 @@ class SlidingWindowCausalMask:
   window: int
 
   def __post_init__(self):
-    if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-      raise ValueError(
-          f"SlidingWindowCausalMask.window must be an int >= 1, got {self.window!r}")
+    _check_span(self, "window")
 
   def visible(self, q_pos, k_pos):
     return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
@@ -90,8 +104,7 @@ class ChunkedCausalMask:
   chunk: int
 
   def __post_init__(self):
-    if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-      raise ValueError(f"ChunkedCausalMask.chunk must be an int >= 1, got {self.chunk!r}")
+    _check_span(self, "chunk")
 
   def _chunk_start(self, pos):
     # Keys have positions >= 0, so a query at a negative position sees none of them

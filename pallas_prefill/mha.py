@@ -92,11 +92,14 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     TypeError, ValueError: static problems (ranks, dtypes, head counts or dims, offsets'
       length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape; a
       PagedKV page size that is not a power of two from 16 to 256, a bad block table,
-      PagedKV mixed with an array or with kv_input_row_offsets), and, when the offsets
-      are concrete, the data problems ``validate_offsets`` finds (and, for a concrete
-      PagedKV, page ids out of range or a cache longer than its pages). Under jit nothing
-      checks these values; the kernel clamps every index, so garbage offsets, page ids or
-      cache lengths give garbage rows but never an access outside the arrays or NaN.
+      PagedKV mixed with an array or with kv_input_row_offsets; a scale or soft cap that
+      is not finite in float32), and, when the offsets are concrete, the data problems
+      ``validate_offsets`` finds (and, for a concrete PagedKV, page ids out of range, a
+      cache longer than its pages, or a V whose block table or cache lengths differ from
+      K's; concrete sink weights that are not finite; concrete FP8 scales that are not
+      finite and > 0). Under jit nothing checks these values; the kernel clamps every
+      index, so garbage offsets, page ids or cache lengths give garbage rows but never an
+      access outside the arrays or NaN.
   """
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,

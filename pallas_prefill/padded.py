@@ -110,6 +110,9 @@ def window_mask(is_causal, local_window_size):
   left, right = (int(w) for w in window)
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+  if max(left, right) >= masks_lib.MAX_SPAN:
+    raise ValueError(f"local_window_size must be below 2**30 on each side, got "
+                     f"{local_window_size!r}")
   if right > 0 and not is_causal:
     raise ValueError(
         f"local_window_size={local_window_size!r} without is_causal lets queries see "
@@ -170,6 +173,8 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
       or not isinstance(padding_segment_id, (int, np.integer))):
     raise TypeError(f"padding_segment_id must be a static int or None, got "
                     f"{padding_segment_id!r}")
+  if padding_segment_id is not None and not -2**31 <= padding_segment_id < 2**31:
+    raise ValueError(f"padding_segment_id must fit in int32, got {padding_segment_id!r}")
   concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
   names = ("segment_ids (queries)", "segment_ids (keys/values)")
   needed = {name: _runs_needed(ids, padding_segment_id)  # counted once, used twice
@@ -277,6 +282,13 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
   layout, max_segments = _sequences(
       query_seq_lengths, key_value_seq_lengths, segment_ids, padding_segment_id,
       max_segments, batch, t, s)
+  per_row = 2 * (max_segments or 1) + 1  # ragged_layout's sequences per batch row
+  if batch * per_row > dispatch.MAX_GRID_DIM:
+    what = (f"max_segments = {max_segments}" if layout[0] == "segments"
+            else "one sequence per row")
+    raise ValueError(f"batch ({batch}) x {per_row} ragged sequences per row ({what}) must "
+                     f"be at most {dispatch.MAX_GRID_DIM} (a launch grid's limit): split the "
+                     "batch, or lower max_segments")
   val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
                     output_dtype=output_dtype, config=config, interpret=interpret,
                     backend=backend, logits_soft_cap=logits_soft_cap)
@@ -360,7 +372,7 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, 
   out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,
                               kv_ends, sink_weights, scales, top_left=True, **static)
   if not static["return_lse"]:
-    return out.reshape(batch, t, num_heads, -1)
+    return out.reshape(batch, t, num_heads, value.shape[-1])
   out, lse = out
   if sink_weights is not None:
     # Padding rows see no key but would report the sink's LSE: they are no query's.
@@ -369,5 +381,5 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, 
     real = ((r >= starts[:, None, :]) & (r < starts[:, None, :] + lengths[:, None, :])).any(
         axis=2)
     lse = jnp.where(real.reshape(-1)[:, None], lse, EMPTY_ROW_LSE)
-  return out.reshape(batch, t, num_heads, -1), lse.reshape(batch, t, num_heads)
+  return out.reshape(batch, t, num_heads, value.shape[-1]), lse.reshape(batch, t, num_heads)
 

@@ -71,12 +71,14 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
     page in the table or whose page id is out of range, are dropped.
 
   Raises:
-    TypeError: new_rows' dtype is not the pages' (no silent cast: rows cast to FP8
-      without their scale would change value, or overflow to NaN).
+    TypeError: an argument is not an array, new_rows' dtype is not the pages' (no silent
+      cast: rows cast to FP8 without their scale would change value, or overflow to NaN),
+      or the offsets, table or lengths are not int32 (offsets: or uint32).
+    ValueError: a rank or shape does not fit the others (new_rows' [heads, depth] must be
+      the pages'; the table and lengths need one row per sequence), or, when concrete,
+      the offsets are not nondecreasing from 0 within new_rows.
   """
-  if jnp.dtype(new_rows.dtype) != jnp.dtype(pages.dtype):
-    raise TypeError(f"new_rows ({new_rows.dtype}) must have the pages' dtype "
-                    f"({pages.dtype}); quantize FP8 rows first (pallas_prefill.fp8)")
+  _check_write_args(pages, new_rows, input_row_offsets, block_table, cache_lengths)
   num_pages, page_size = pages.shape[:2]
   total = new_rows.shape[0]
   offsets = input_row_offsets.astype(jnp.int32)
@@ -95,10 +97,49 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   return pages.at[page, pos % page_size].set(new_rows, mode="drop")
 
 
+def _array(name, x, rank, dtypes=None):
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if x.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+  if dtypes and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+    raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {x.dtype}")
+
+
+def _check_write_args(pages, new_rows, offsets, block_table, cache_lengths):
+  """``write_kv``'s checks: the static ones always, the offsets' values when concrete."""
+  _array("pages", pages, 4)
+  _array("new_rows", new_rows, 3)
+  if jnp.dtype(new_rows.dtype) != jnp.dtype(pages.dtype):
+    raise TypeError(f"new_rows ({new_rows.dtype}) must have the pages' dtype "
+                    f"({pages.dtype}); quantize FP8 rows first (pallas_prefill.fp8)")
+  if tuple(new_rows.shape[1:]) != tuple(pages.shape[2:]):
+    raise ValueError(f"new_rows' [heads, depth] {tuple(new_rows.shape[1:])} must be the "
+                     f"pages' {tuple(pages.shape[2:])}")
+  _array("input_row_offsets", offsets, 1, ("int32", "uint32"))
+  if offsets.shape[0] < 2:
+    raise ValueError(f"input_row_offsets must have length batch + 1 >= 2, got "
+                     f"{offsets.shape[0]}")
+  batch = offsets.shape[0] - 1
+  _array("block_table", block_table, 2, ("int32",))
+  _array("cache_lengths", cache_lengths, 1, ("int32",))
+  for name, x in (("block_table", block_table), ("cache_lengths", cache_lengths)):
+    if x.shape[0] != batch:
+      raise ValueError(f"{name} must have batch = {batch} rows (input_row_offsets' length "
+                       f"- 1), got {x.shape[0]}")
+  if not isinstance(offsets, jax.core.Tracer):
+    off = np.asarray(offsets).astype(np.int64)
+    if off[0] != 0 or (np.diff(off) < 0).any() or off[-1] > new_rows.shape[0]:
+      raise ValueError(f"input_row_offsets must be nondecreasing from 0 to at most the "
+                       f"{new_rows.shape[0]} rows of new_rows, got {off.tolist()}")
+
+
 def check_paged(operands, batch):
   """Static checks of PagedKV operands (a dict name -> PagedKV) for a batch."""
   first_name, first = next(iter(operands.items()))
   for name, kv in operands.items():
+    if not (hasattr(kv.pages, "shape") and hasattr(kv.pages, "dtype")):
+      raise TypeError(f"{name}.pages must be an array, got {type(kv.pages).__name__}")
     if kv.pages.ndim != 4:
       raise ValueError(f"{name}.pages must be [num_pages, page_size, heads, depth], got "
                        f"shape {tuple(kv.pages.shape)}")

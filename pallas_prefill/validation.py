@@ -14,6 +14,7 @@ from pallas_prefill import masks as masks_lib
 from pallas_prefill.config import MhaConfig, MosaicConfig
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
+
 MAX_HEAD_DIM = 256
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 OFFSET_DTYPES = (jnp.int32, jnp.uint32)
@@ -21,6 +22,21 @@ OFFSET_DTYPES = (jnp.int32, jnp.uint32)
 
 def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
+
+
+def check_shared_tables(kv_operands):
+  """Concrete PagedKV operands (K and V, MLA's three) must hold one block table and one
+  set of cache lengths: the kernels read them from the first operand only, so a
+  different one elsewhere would be ignored without a word."""
+  (first_name, first), *rest = kv_operands.items()
+  for name, kv in rest:
+    for field in ("block_table", "cache_lengths"):
+      a, b = getattr(first, field), getattr(kv, field)
+      if a is b or not (is_concrete(a) and is_concrete(b)):
+        continue
+      if not np.array_equal(np.asarray(a), np.asarray(b)):
+        raise ValueError(f"{name}.{field} differs from {first_name}.{field}: the K/V "
+                         f"operands of a paged cache share one {field}")
 
 
 def check_array(name, x, rank):
@@ -58,6 +74,19 @@ def check_head_dim(name, depth):
 BACKENDS = ("triton", "mosaic_gpu", "auto")
 
 
+F32 = np.finfo(np.float32)
+
+
+def as_float32(x) -> float:
+  """x as the float32 the kernels compute with, or NaN where float32 has no value for it
+  (a Python int too large for a float included): float32 overflow gives inf."""
+  try:
+    with np.errstate(over="ignore"):
+      return float(np.float32(float(x)))
+  except OverflowError:
+    return math.nan
+
+
 def check_soft_cap(logits_soft_cap):
   if logits_soft_cap is None:
     return
@@ -65,9 +94,10 @@ def check_soft_cap(logits_soft_cap):
                                                          (int, float, np.floating)):
     raise TypeError("logits_soft_cap must be a static Python float or None, got "
                     f"{type(logits_soft_cap).__name__}")
-  if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
-    raise ValueError(f"logits_soft_cap must be a finite float > 0 (logits become "
-                     f"cap * tanh(logits / cap)), got {logits_soft_cap!r}")
+  cap = as_float32(logits_soft_cap)
+  if not (math.isfinite(cap) and cap >= F32.tiny):
+    raise ValueError(f"logits_soft_cap must be a float > 0, finite and normal in float32 "
+                     f"(logits become cap * tanh(logits / cap)), got {logits_soft_cap!r}")
 
 
 def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret,
@@ -83,8 +113,9 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
         f"SlidingWindowCausalMask(window), ChunkedCausalMask(chunk); got {mask!r}")
   if scale is not None and (
       isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
-      or not math.isfinite(scale)):
-    raise TypeError(f"scale must be a finite Python float or None, got {scale!r}")
+      or not math.isfinite(as_float32(scale))):
+    raise TypeError(f"scale must be a finite Python float or None, got {scale!r} (it must "
+                    "be finite in float32, the softmax's dtype, too)")
   if output_dtype is not None:
     try:
       ok = jnp.dtype(output_dtype) in [jnp.dtype(d) for d in INPUT_DTYPES]
@@ -140,6 +171,7 @@ def check_call(q, kv_operands, input_row_offsets, kv_input_row_offsets, *, max_p
       raise ValueError("kv_input_row_offsets must be None with PagedKV operands: the "
                        "cache lengths and query counts give each sequence's K/V")
     check_paged(kv_operands, batch)
+    check_shared_tables(kv_operands)
   for name, x in kv_operands.items():
     if not paged:
       check_array(name, x, 3)
@@ -190,12 +222,18 @@ def check_sink_weights(sink_weights, num_heads):
                                                               jnp.floating):
     raise ValueError(f"sink_weights must be a float vector of num_heads = {num_heads}, "
                      f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
+  if is_concrete(sink_weights):
+    w = np.asarray(sink_weights, np.float32)
+    bad = np.flatnonzero(~np.isfinite(w))
+    if bad.size:
+      raise ValueError(f"sink_weights must be finite, got sink_weights[{bad[0]}] = "
+                       f"{w[bad[0]]} (a head without a sink: pass a large negative logit)")
 
 
 def check_heads(num_heads, num_kv_heads):
-  if num_kv_heads == 0 or num_heads % num_kv_heads:
-    raise ValueError(
-        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+  if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                     f"({num_kv_heads}), both >= 1")
 
 
 def validate_offsets(input_row_offsets, *, max_prompt_len, total_q,

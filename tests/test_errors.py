@@ -224,6 +224,21 @@ STATIC_CASES = [
          r"^scale must be a finite Python float or None, got inf"),
     case("scale_bool", valid(scale=True), TypeError,
          r"^scale must be a finite Python float or None, got True"),
+    case("scale_overflows_float32", valid(scale=1e39), TypeError,
+         r"^scale must be a finite Python float or None, got 1e\+39 \(it must be finite in "
+         r"float32"),
+    case("scale_huge_int", valid(scale=10**400), TypeError,
+         r"^scale must be a finite Python float or None, got 1000"),
+    # The soft cap: finite and normal in float32 (a cap that rounds to 0 or inf gives NaN).
+    *[case(f"soft_cap_{name}", valid(logits_soft_cap=cap), ValueError,
+           r"^logits_soft_cap must be a float > 0, finite and normal in float32")
+      for name, cap in (("zero", 0.0), ("negative", -5.0), ("nan", float("nan")),
+                        ("overflows_float32", 1e39), ("underflows_float32", 1e-50),
+                        ("huge_int", 10**400))],
+    case("return_lse_string", valid(return_lse="no"), TypeError,
+         r"^return_lse must be a static bool, got 'no'"),
+    case("no_query_heads", valid(q=arr((ROWS, 0, DIM))), ValueError,
+         r"^num_heads \(0\) must be a multiple of num_kv_heads \(2\), both >= 1"),
     # Sink weights.
     case("sink_length3", valid(sink_weights=arr((3,), "float32")), ValueError,
          r"^sink_weights must be a float vector of num_heads = 4, got float32\(3,\)"),
@@ -314,9 +329,40 @@ def test_bad_mask_or_config_raises_when_built(make, match):
     make()
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: masks.SlidingWindowCausalMask(2**31),
+     r"^SlidingWindowCausalMask\.window must be an int >= 1, got 2147483648 \(and at most "
+     r"2\*\*30\)"),
+    (lambda: masks.ChunkedCausalMask(2**30 + 1),
+     r"^ChunkedCausalMask\.chunk must be an int >= 1, got 1073741825 \(and at most"),
+    (lambda: pp.MhaConfig(num_warps=4.0),
+     r"^MhaConfig\.num_warps must be 1, 2, 4, 8 or 16, got 4\.0"),
+    (lambda: pp.MosaicConfig(block_kv=128.0),
+     r"^MosaicConfig\.block_kv must be 64 or 128, got 128\.0"),
+    (lambda: pp.MosaicConfig(block_q=64.0), r"^MosaicConfig\.block_q must be 64"),
+    (lambda: pp.MosaicOptions(head_major=1.0),
+     r"^MosaicOptions\.head_major must be None, 0 or 1, got 1\.0"),
+], ids=["window_2_31", "chunk_past_2_30", "num_warps_float", "mosaic_block_kv_float",
+        "mosaic_block_q_float", "head_major_float"])
+def test_out_of_range_or_float_masks_and_configs_raise(make, match):
+  """Spans that would overflow int32 positions (which can be negative), and floats where
+  an int is meant (they used to pass the ``in (...)`` checks)."""
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_numpy_int_spans_are_python_ints():
+  """A NumPy int window or chunk is taken, as a Python int (the mask is a jit key)."""
+  for mask, field in ((masks.SlidingWindowCausalMask(np.int64(4)), "window"),
+                      (masks.ChunkedCausalMask(np.int32(8)), "chunk")):
+    assert type(getattr(mask, field)) is int
+  assert masks.SlidingWindowCausalMask(np.int64(4)) == masks.SlidingWindowCausalMask(4)
+
+
 def test_edge_masks_and_configs_are_valid():
   masks.SlidingWindowCausalMask(1)
   masks.ChunkedCausalMask(1)
+  masks.SlidingWindowCausalMask(2**30)
   pp.MhaConfig(block_q=16, block_kv=16, num_warps=1, num_stages=1)
   pp.MhaConfig(block_q=256, block_kv=256, num_warps=16, num_stages=8)
 
@@ -446,3 +492,33 @@ def test_concrete_q_offsets_are_checked_beside_traced_kv_offsets():
 
   with pytest.raises(ValueError, match=r"^input_row_offsets\[-1\] = 28 is past the 27 rows"):
     call(jnp.asarray(KV_OFFSETS, jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# Data problems in other concrete arguments: sink weights, FP8 scales (ValueError); under
+# jit nothing checks them.
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_concrete_non_finite_sink_weights_raise(bad):
+  sinks = np.zeros(HEADS, np.float32)
+  sinks[2] = bad
+  with pytest.raises(ValueError, match=r"^sink_weights must be finite, got "
+                     r"sink_weights\[2\] = (nan|inf|-inf)"):
+    call_eager(valid(sink_weights=jnp.asarray(sinks)))
+  with pytest.raises(KernelReached):
+    call_under_jit(valid(sink_weights=jnp.asarray(sinks)))
+
+
+@pytest.mark.parametrize("name", ["q_scale", "k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 0.0, -1.0])
+def test_concrete_fp8_scales_must_be_finite_and_positive(name, bad):
+  fp8_kwargs = dict(q=arr((ROWS, HEADS, DIM), "float8_e4m3fn"),
+                    k=arr((ROWS, KV_HEADS, DIM), "float8_e4m3fn"),
+                    v=arr((ROWS, KV_HEADS, DIM), "float8_e4m3fn"),
+                    q_scale=1.0, k_scale=jnp.ones((KV_HEADS,), jnp.float32), v_scale=0.5)
+  good = valid(**fp8_kwargs)
+  with pytest.raises(KernelReached):
+    call_eager(good)
+  with pytest.raises(ValueError, match=rf"^{name} must be finite and > 0 \(a "
+                     r"dequantization scale\), got"):
+    call_eager({**good, name: jnp.full((KV_HEADS,), bad, jnp.float32)})

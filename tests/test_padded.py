@@ -385,6 +385,13 @@ ERRORS = [
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
     (dict(sink_weights=jnp.ones((3,))), ValueError, "sink_weights"),
     (dict(backend="cuda"), ValueError, "backend"),
+    (dict(local_window_size=(2**31, 0), is_causal=True), ValueError,
+     r"local_window_size must be below 2\*\*30 on each side"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.int32), padding_segment_id=2**40), ValueError,
+     "padding_segment_id must fit in int32"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.int32), max_segments=20_000), ValueError,
+     r"batch \(2\) x 40001 ragged sequences per row \(max_segments = 20000\) must be at "
+     r"most 65535"),
 ]
 
 
@@ -395,6 +402,24 @@ def test_bad_input_raises(changes, error, match):
   q, k, v = (changes.pop(n, x) for n, x in (("query", q), ("key", k), ("value", v)))
   with pytest.raises(error, match=match):
     pp.dot_product_attention(q, k, v, **changes)
+
+
+def test_batch_too_large_for_the_grid_names_the_layout():
+  q, k, v = _args(b=21_846, t=1, depth=16)
+  with pytest.raises(ValueError, match=r"batch \(21846\) x 3 ragged sequences per row "
+                                       r"\(one sequence per row\) must be at most 65535"):
+    pp.dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("b,t,s", [(2, 0, 5), (0, 4, 4), (2, 3, 0)])
+def test_empty_axes_give_empty_or_zero_outputs(b, t, s):
+  """No query rows, no batch rows, or no keys: the shapes jax.nn gives, rows that see no
+  key zero (as ``mha_prefill`` does), and the LSE's empty-row value."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), shape) for i, shape in enumerate(
+      [(b, t, 4, 16), (b, s, 2, 16), (b, s, 2, 16)]))
+  out, lse = pp.dot_product_attention(q, k, v, return_lse=True)
+  assert out.shape == (b, t, 4, 16) and lse.shape == (b, t, 4)
+  assert not np.asarray(out).any()
 
 
 def test_one_segment_array_needs_equal_lengths():

@@ -167,6 +167,81 @@ def test_concrete_page_ids_and_cache_lengths_are_validated():
     pp.mha_prefill(q, too_long, v, OFFSETS, max_prompt_len=8)
 
 
+def test_concrete_tables_and_cache_lengths_must_be_shared():
+  """The kernels read the block table and cache lengths of the first K/V operand only: a
+  concrete V (or MLA k_rope / v) with other values is refused, not ignored."""
+  q, k, v = paged_operands()
+  other_table = dataclasses.replace(v, block_table=jnp.array([[1, 2, 3], [4, 5, 0]],
+                                                             jnp.int32))
+  with pytest.raises(ValueError, match=r"^v.block_table differs from k.block_table: the "
+                                       r"K/V operands of a paged cache share one "):
+    pp.mha_prefill(q, k, other_table, OFFSETS, max_prompt_len=8)
+  other_lengths = dataclasses.replace(v, cache_lengths=jnp.array([0, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"^v.cache_lengths differs from k.cache_lengths"):
+    pp.mha_prefill(q, k, other_lengths, OFFSETS, max_prompt_len=8)
+  kn = pp.PagedKV(jnp.zeros((6, 16, 2, 16), jnp.bfloat16), k.block_table, k.cache_lengths)
+  kr = pp.PagedKV(jnp.zeros((6, 16, 1, 8), jnp.bfloat16), other_table.block_table,
+                  k.cache_lengths)
+  with pytest.raises(ValueError, match=r"^k_rope.block_table differs from k_nope"):
+    pp.mla_prefill(jnp.zeros((10, 2, 24), jnp.bfloat16), kn, kr, kn, OFFSETS,
+                   max_prompt_len=8)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(block_table=np.zeros((2, 3), np.int32)), ValueError,
+     r"^block_table must have batch = 3 rows \(input_row_offsets' length - 1\), got 2"),
+    (dict(cache_lengths=np.zeros((2,), np.int32)), ValueError,
+     r"^cache_lengths must have batch = 3 rows"),
+    (dict(block_table=np.zeros((9,), np.int32)), ValueError,
+     r"^block_table must have rank 2, got shape \(9,\)"),
+    (dict(block_table=np.zeros((3, 3), np.int64)), TypeError,
+     r"^block_table must be int32, got int64"),
+    (dict(cache_lengths=np.zeros((3,), np.float32)), TypeError,
+     r"^cache_lengths must be int32, got float32"),
+    (dict(new_rows=np.zeros((5, 1, 8), np.float32)), ValueError,
+     r"^new_rows' \[heads, depth\] \(1, 8\) must be the pages' \(2, 8\)"),
+    (dict(new_rows=np.zeros((5, 2, 4), np.float32)), ValueError, r"^new_rows' \[heads"),
+    (dict(new_rows=np.zeros((5, 2, 8), np.float16)), TypeError,
+     r"^new_rows \(float16\) must have the pages' dtype \(float32\)"),
+    (dict(pages=np.zeros((6, 16, 16), np.float32)), ValueError,
+     r"^pages must have rank 4, got shape \(6, 16, 16\)"),
+    (dict(offsets=[0, 2, 4, 5]), TypeError, r"^input_row_offsets must be an array, got list"),
+    (dict(offsets=np.array([0, 2, 4, 5], np.float32)), TypeError,
+     r"^input_row_offsets must be int32 or uint32, got float32"),
+    (dict(offsets=np.array([0], np.int32)), ValueError,
+     r"^input_row_offsets must have length batch \+ 1 >= 2, got 1"),
+    (dict(offsets=np.array([0, 4, 2, 5], np.int32)), ValueError,
+     r"^input_row_offsets must be nondecreasing from 0 to at most the 5 rows of new_rows, "
+     r"got \[0, 4, 2, 5\]"),
+    (dict(offsets=np.array([0, 2, 4, 9], np.int32)), ValueError,
+     r"^input_row_offsets must be nondecreasing from 0"),
+], ids=lambda x: str(x)[:30])
+def test_write_kv_refuses_what_would_write_the_wrong_rows(change, error, match):
+  """write_kv's arguments checked as the prefill's are: a table or lengths of another
+  batch (which a gather would clamp, writing one sequence into another's pages), rows
+  of other heads or depth (which would broadcast), offsets of the wrong type or order."""
+  args = dict(pages=np.zeros((6, 16, 2, 8), np.float32), new_rows=np.ones((5, 2, 8),
+                                                                          np.float32),
+              offsets=np.array([0, 2, 4, 5], np.int32), block_table=np.zeros((3, 3), np.int32),
+              cache_lengths=np.zeros((3,), np.int32))
+  names = ("pages", "new_rows", "offsets", "block_table", "cache_lengths")
+  # As JAX arrays, but lists and int64 (which JAX would make int32) as given.
+  ordered = lambda a: [  # noqa: E731
+      a[n] if isinstance(a[n], list) or a[n].dtype == np.int64 else jnp.asarray(a[n])
+      for n in names]
+  write_kv(*ordered(args))  # the baseline is valid
+  args.update(change)
+  with pytest.raises(error, match=match):
+    write_kv(*ordered(args))
+  if not any(isinstance(x, list) or x.dtype == np.int64 for x in args.values()):
+    # The static checks hold under jit too.
+    if "offsets" in change and error is ValueError and change["offsets"].shape[0] == 4:
+      jax.jit(write_kv)(*ordered(args))  # values: checked only when concrete
+    else:
+      with pytest.raises(error, match=match):
+        jax.jit(write_kv)(*ordered(args))
+
+
 def test_garbage_page_ids_and_cache_lengths_under_jit_stay_in_bounds():
   rng = np.random.default_rng(cases.fresh_seed())
   k_pages = jnp.asarray(rng.standard_normal((6, 16, 2, 16)), jnp.bfloat16)
