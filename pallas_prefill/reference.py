@@ -261,7 +261,9 @@ def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None
     ql = t_len if query_seq_lengths is None else query_seq_lengths[:, None]
     kl = s_len if key_value_seq_lengths is None else key_value_seq_lengths[:, None]
     same = (q_pos < ql)[:, :, None] & (k_pos < kl)[:, None, :]
-  q_real = same.any(axis=2) if segment_ids is not None else (
+  # A real query is a token of a kept run (or within its row's length), whether or not a
+  # key run pairs with it: one with none sees no key, and reports its sink's LSE.
+  q_real = q_run >= 0 if segment_ids is not None else (
       q_pos < (t_len if query_seq_lengths is None else query_seq_lengths[:, None]))
   vis = same & mask.visible(q_pos[:, :, None], k_pos[:, None, :])  # [b, t, s]
   sink = None if sink_weights is None else sink_weights.astype(jnp.float32)

@@ -422,6 +422,24 @@ def test_empty_axes_give_empty_or_zero_outputs(b, t, s):
   assert not np.asarray(out).any()
 
 
+def test_a_query_run_without_a_key_run_reports_its_sink():
+  """Cross-attention segment ids where the last query run has no key run to pair with:
+  its queries are real, see no key, output zeros and report the sink's LSE, in the
+  kernel and the reference alike (the reference took them for padding once)."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(shared.fresh_seed() + i), shape)
+             for i, shape in enumerate([(1, 6, 2, 16), (1, 4, 1, 16), (1, 4, 1, 16)]))
+  sink = jnp.asarray([0.5, -1.5], jnp.float32)
+  kw = dict(segment_ids=(jnp.asarray([[1, 1, 2, 2, 3, 3]], jnp.int32),
+                         jnp.asarray([[1, 1, 2, 2]], jnp.int32)),
+            padding_segment_id=0, sink_weights=sink, return_lse=True, is_causal=True)
+  out, lse = pp.dot_product_attention(q, k, v, **kw)
+  ref_out, ref_lse = pp.reference.dot_product_attention_reference(q, k, v, **kw)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(lse[0, 4:]), np.tile(np.asarray(sink), (2, 1)))
+  assert not np.asarray(out[0, 4:]).any() and np.asarray(out[0, :4]).any()
+
+
 def test_one_segment_array_needs_equal_lengths():
   q, k, v = _args(s=24)
   with pytest.raises(ValueError, match="pair"):
