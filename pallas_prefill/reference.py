@@ -98,7 +98,7 @@ def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, tot
   v32 = jnp.repeat(v.astype(jnp.float32), group, axis=1)  # [total_kv, num_heads, v_depth]
   sink = None if sink_weights is None else sink_weights.astype(jnp.float32)
 
-  num_blocks = -(-total_q // block_rows)
+  num_blocks = max(1, -(-total_q // block_rows))  # one (padding) block when no query
 
   def one_block(i):
     r0 = i * block_rows
@@ -131,7 +131,7 @@ def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, tot
 
 def _q_block(x, r0, rows):
   total = x.shape[0]
-  num_blocks = -(-total // rows)
+  num_blocks = max(1, -(-total // rows))
   x = jnp.pad(x.astype(jnp.float32), [(0, num_blocks * rows - total)] + [(0, 0)] * (x.ndim - 1))
   return lax.dynamic_slice_in_dim(x, r0, rows)
 
@@ -268,7 +268,7 @@ def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None
   vis = same & mask.visible(q_pos[:, :, None], k_pos[:, None, :])  # [b, t, s]
   sink = None if sink_weights is None else sink_weights.astype(jnp.float32)
   rows = max(1, min(t_len, 256))  # query rows per block: bounded memory at any length
-  blocks = -(-t_len // rows)
+  blocks = max(1, -(-t_len // rows))  # one (padding) block when no query
   pad_t = lambda x: jnp.pad(x, [(0, 0), (0, blocks * rows - t_len)] + [(0, 0)] * (  # noqa: E731
       x.ndim - 2))
 

@@ -125,3 +125,22 @@ def test_triton_is_batch_invariant_in_interpret_mode(case):
   for lead, bits in zip(leads[1:], got[1:]):
     for a, b, what in zip(bits, got[0], ("output", "LSE")):
       np.testing.assert_array_equal(a, b, err_msg=f"{what}, lead {lead} seed={seed}")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_no_query_rows_in_kernel_and_reference(kind):
+  """total_q = 0 over keys (a cached prefix with nothing new): an empty output from the
+  kernel and from the float32 reference alike (the reference's row blocks once failed
+  to slice an empty array)."""
+  kv = jnp.ones((5, 2, 16), jnp.float32)
+  off, kv_off = jnp.asarray([0, 0], jnp.int32), jnp.asarray([0, 5], jnp.int32)
+  kw = dict(max_prompt_len=4, kv_input_row_offsets=kv_off, return_lse=True)
+  if kind == "mha":
+    args = (jnp.ones((0, 2, 16), jnp.float32), kv, kv)
+    kernel, reference = pp.mha_prefill, pp.reference.mha_prefill_reference
+  else:
+    args = (jnp.ones((0, 2, 24), jnp.float32), kv, jnp.ones((5, 1, 8), jnp.float32), kv)
+    kernel, reference = pp.mla_prefill, pp.reference.mla_prefill_reference
+  for fn in (kernel, reference):
+    out, lse = fn(*args, off, **kw)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)

@@ -420,6 +420,9 @@ def test_empty_axes_give_empty_or_zero_outputs(b, t, s):
   out, lse = pp.dot_product_attention(q, k, v, return_lse=True)
   assert out.shape == (b, t, 4, 16) and lse.shape == (b, t, 4)
   assert not np.asarray(out).any()
+  ref_out, ref_lse = pp.reference.dot_product_attention_reference(q, k, v, return_lse=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
 
 
 def test_a_query_run_without_a_key_run_reports_its_sink():
