@@ -144,3 +144,34 @@ def test_no_query_rows_in_kernel_and_reference(kind):
   for fn in (kernel, reference):
     out, lse = fn(*args, off, **kw)
     assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+
+
+def test_soft_capped_is_accurate_for_any_cap():
+  """``logits.soft_capped`` (the Triton kernel's cap) against float64's cap * tanh(s / cap):
+  within a few float32 roundings of the result, from caps near the logits to caps far
+  above them (where 1 - 2 / (2**(2y log2 e) + 1) alone cancels to an error that grows
+  with the cap)."""
+  from pallas_prefill import logits  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(cases.fresh_seed())
+  s = np.concatenate([rng.standard_normal(20_000) * 10, rng.standard_normal(2_000) * 1e4,
+                      [0.0, 1e-30, -3.0, 88.0]]).astype(np.float32)
+  for cap in (0.5, 30.0, 1e3, 1e6, 1e9):
+    got = np.asarray(logits.soft_capped(jnp.asarray(s), cap), np.float64)
+    want = cap * np.tanh(s.astype(np.float64) / cap)
+    rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-6)  # (1e-30 may flush to 0)
+    assert rel.max() < 2e-6, (cap, rel.max(), s[np.argmax(rel)])
+    assert np.isfinite(got).all()
+
+
+def test_a_cap_far_above_the_logits_leaves_them_as_they_are():
+  """float32 in interpret mode: caps of 1e4 and 1e7 match the reference (and the uncapped
+  call) to float32 rounding; the exp2 form alone was off by 3e-4 and 0.34."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  off = jnp.asarray([0, 37, 57], jnp.int32)
+  q, k, v = (jnp.asarray(rng.standard_normal((57, 2, 64)), jnp.float32) for _ in range(3))
+  plain = pp.reference.mha_prefill_reference(q, k, v, off, max_prompt_len=40)
+  for cap in (1e4, 1e7):
+    out = pp.mha_prefill(q, k, v, off, max_prompt_len=40, logits_soft_cap=cap)
+    ref = pp.reference.mha_prefill_reference(q, k, v, off, max_prompt_len=40,
+                                             logits_soft_cap=cap)
+    assert cases.rel_err(out, ref) < 1e-5 and cases.rel_err(out, plain) < 1e-5
