@@ -167,6 +167,12 @@ def test_concrete_page_ids_and_cache_lengths_are_validated():
     pp.mha_prefill(q, too_long, v, OFFSETS, max_prompt_len=8)
 
 
+def test_pages_that_are_no_array_are_named():
+  q, k, v = paged_operands()
+  with pytest.raises(TypeError, match=r"^k.pages must be an array, got NoneType"):
+    pp.mha_prefill(q, dataclasses.replace(k, pages=None), v, OFFSETS, max_prompt_len=8)
+
+
 def test_concrete_tables_and_cache_lengths_must_be_shared():
   """The kernels read the block table and cache lengths of the first K/V operand only: a
   concrete V (or MLA k_rope / v) with other values is refused, not ignored."""
