@@ -14,7 +14,6 @@ from pallas_prefill import masks as masks_lib
 from pallas_prefill.config import MhaConfig, MosaicConfig
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
-
 MAX_HEAD_DIM = 256
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 OFFSET_DTYPES = (jnp.int32, jnp.uint32)
