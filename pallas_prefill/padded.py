@@ -264,9 +264,11 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       head counts, FP8 scales missing, misshapen, not float32 or without FP8 inputs, an
       FP8 query over wider key and value, lengths or segment ids of the wrong shape or
       dtype, lengths with segment ids, a window the masks cannot express,
-      logits_soft_cap <= 0), concrete lengths outside [0, T] or [0, S], and concrete
-      segment ids with more sequences in a row than max_segments; more than 65535
-      sequences in all (batch * (2 * max_segments + 1), a launch grid's limit). Under
+      logits_soft_cap <= 0), concrete lengths outside [0, T] or [0, S], concrete
+      segment ids with more sequences in a row than max_segments, concrete sink weights
+      that are not finite and concrete FP8 scales that are not finite and > 0; more
+      than 65535 sequences in all (batch * (2 * max_segments + 1), a launch grid's
+      limit). Under
       jit nothing checks values: lengths and runs are clamped, so garbage gives garbage
       rows but no access outside the arrays or NaN.
     NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
