@@ -164,7 +164,8 @@ def test_concrete_page_ids_and_cache_lengths_are_validated():
   too_long = dataclasses.replace(k, cache_lengths=jnp.array([0, 43], jnp.int32))
   with pytest.raises(ValueError, match=r"sequence 1 needs 49 K/V positions \(cache_lengths "
                                        r"43 \+ 6 new\), more than its 3 pages of 16 hold"):
-    pp.mha_prefill(q, too_long, v, OFFSETS, max_prompt_len=8)
+    pp.mha_prefill(q, too_long, dataclasses.replace(v, cache_lengths=too_long.cache_lengths),
+                   OFFSETS, max_prompt_len=8)
 
 
 def test_pages_that_are_no_array_are_named():
