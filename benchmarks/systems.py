@@ -801,8 +801,8 @@ BACKENDS = {"pallas_prefill": "triton", "pallas_prefill_mosaic": "mosaic_gpu",
 PADDED_ANCHORS = ("cudnn_padded", "xla_padded", "tokamax_mosaic", "tokamax_triton",
                   "torch_sdpa_cudnn", "jax_pallas_mha")
 
-# The systems that take ``--mosaic-options``: the Mosaic GPU backend's, ours padded, ours in FP8 and
-# ours soft-capped.
+# The systems that take ``--mosaic-options``: the Mosaic GPU backend's, ours padded, ours
+# soft-capped and ours in FP8.
 MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu"
                        ) + ("pallas_prefill_padded", "pallas_prefill_softcap",
                             "pallas_prefill_fp8")
