@@ -62,6 +62,11 @@ def segment_runs(ids, padding_id, max_segments):
   return starts, lengths
 
 
+def sequences_per_row(runs: int) -> int:
+  """The ragged sequences ``ragged_layout`` makes of a batch row of ``runs`` runs."""
+  return 2 * runs + 1
+
+
 def ragged_layout(q_runs, kv_runs, q_seq, kv_seq):
   """The ragged description of padded rows: q_runs and kv_runs are (starts, lengths)
   ``[batch, m]`` within each batch row (query run k attends over K/V run k). Returns
@@ -283,7 +288,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
   layout, max_segments = _sequences(
       query_seq_lengths, key_value_seq_lengths, segment_ids, padding_segment_id,
       max_segments, batch, t, s)
-  per_row = 2 * (max_segments or 1) + 1  # ragged_layout's sequences per batch row
+  per_row = sequences_per_row(max_segments or 1)  # lengths: one run per row
   if batch * per_row > dispatch.MAX_GRID_DIM:
     what = (f"max_segments = {max_segments}" if layout[0] == "segments"
             else "one sequence per row")
@@ -367,7 +372,7 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, 
     q_runs, kv_runs = whole(q_info, t), whole(kv_info, s)
   q_offsets, kv_starts, kv_ends = ragged_layout(q_runs, kv_runs, t, s)
   if scales is not None:
-    per_row = 2 * q_runs[0].shape[1] + 1  # ragged_layout's sequences per batch row
+    per_row = sequences_per_row(q_runs[0].shape[1])
     scales = tuple(jnp.repeat(x, per_row, axis=0) for x in scales)
   flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  (a view: no copy)
   out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_prefill.checks import check_array, check_offsets
+
 MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
 
 
@@ -97,33 +99,22 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   return pages.at[page, pos % page_size].set(new_rows, mode="drop")
 
 
-def _array(name, x, rank, dtypes=None):
-  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if x.ndim != rank:
-    raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
-  if dtypes and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
-    raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {x.dtype}")
-
-
 def _check_write_args(pages, new_rows, offsets, block_table, cache_lengths):
   """``write_kv``'s checks: the static ones always, the offsets' values when concrete."""
-  _array("pages", pages, 4)
-  _array("new_rows", new_rows, 3)
+  check_array("pages", pages, 4)
+  check_array("new_rows", new_rows, 3)
   if jnp.dtype(new_rows.dtype) != jnp.dtype(pages.dtype):
     raise TypeError(f"new_rows ({new_rows.dtype}) must have the pages' dtype "
                     f"({pages.dtype}); quantize FP8 rows first (pallas_prefill.fp8)")
   if tuple(new_rows.shape[1:]) != tuple(pages.shape[2:]):
     raise ValueError(f"new_rows' [heads, depth] {tuple(new_rows.shape[1:])} must be the "
                      f"pages' {tuple(pages.shape[2:])}")
-  _array("input_row_offsets", offsets, 1, ("int32", "uint32"))
-  if offsets.shape[0] < 2:
-    raise ValueError(f"input_row_offsets must have length batch + 1 >= 2, got "
-                     f"{offsets.shape[0]}")
+  check_offsets("input_row_offsets", offsets)
   batch = offsets.shape[0] - 1
-  _array("block_table", block_table, 2, ("int32",))
-  _array("cache_lengths", cache_lengths, 1, ("int32",))
-  for name, x in (("block_table", block_table), ("cache_lengths", cache_lengths)):
+  for name, x, rank in (("block_table", block_table, 2), ("cache_lengths", cache_lengths, 1)):
+    check_array(name, x, rank)
+    if jnp.dtype(x.dtype) != jnp.int32:
+      raise TypeError(f"{name} must be int32, got {x.dtype}")
     if x.shape[0] != batch:
       raise ValueError(f"{name} must have batch = {batch} rows (input_row_offsets' length "
                        f"- 1), got {x.shape[0]}")

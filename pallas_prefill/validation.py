@@ -11,12 +11,12 @@ import numpy as np
 
 from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
+from pallas_prefill.checks import check_array, check_offsets
 from pallas_prefill.config import MhaConfig, MosaicConfig
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
 MAX_HEAD_DIM = 256
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-OFFSET_DTYPES = (jnp.int32, jnp.uint32)
 
 
 def is_concrete(x) -> bool:
@@ -38,31 +38,11 @@ def check_shared_tables(kv_operands):
                          f"operands of a paged cache share one {field}")
 
 
-def check_array(name, x, rank):
-  shape = getattr(x, "shape", None)
-  if shape is None or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if len(shape) != rank:
-    raise ValueError(f"{name} must have rank {rank}, got shape {tuple(shape)}")
-
-
 def check_float_dtype(name, x, fp8_ok=False):
   allowed = INPUT_DTYPES + (fp8.FP8_DTYPES if fp8_ok else ())
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in allowed]:
     extra = ", float8_e4m3fn or float8_e5m2" if fp8_ok else ""
     raise TypeError(f"{name} must be bfloat16, float16, float32{extra}, got {x.dtype}")
-
-
-def check_offsets(name, offsets, batch=None):
-  check_array(name, offsets, 1)
-  if jnp.dtype(offsets.dtype) not in [jnp.dtype(d) for d in OFFSET_DTYPES]:
-    raise TypeError(f"{name} must be int32 or uint32, got {offsets.dtype}")
-  if offsets.shape[0] < 2:
-    raise ValueError(f"{name} must have length batch + 1 >= 2, got {offsets.shape[0]}")
-  if batch is not None and offsets.shape[0] != batch + 1:
-    raise ValueError(
-        f"{name} must have length batch + 1 = {batch + 1} like input_row_offsets, "
-        f"got {offsets.shape[0]}")
 
 
 def check_head_dim(name, depth):

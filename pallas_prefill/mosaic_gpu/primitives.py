@@ -98,9 +98,8 @@ def exp2_fma(s, scale: float, neg_m, *, poly_eighths: int = 0):
   per element (Mosaic GPU emits a multiplication and an addition as two instructions).
   ``poly_eighths`` of every 8 of a thread's registers (each 2 scores) take the polynomial
   exp2 on the FMA pipes instead (``POLY_EXP2_COEFFS``), which relieves the MUFU unit
-  where it, not the tensor cores, is the limit (a soft cap's tanh)."""
-  if not 0 <= poly_eighths <= 8:
-    raise ValueError(f"poly_eighths must be in [0, 8], got {poly_eighths}")
+  where it, not the tensor cores, is the limit (a soft cap's tanh); 0 to 8, as
+  ``MosaicOptions.poly_exp2`` checks it."""
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
                      return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32,
