@@ -47,6 +47,9 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
+KEYLESS_UNITS = ("first", "spread", "per_head")  # ``MosaicOptions.keyless_units``
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicOptions:
   """Program choices of the Mosaic GPU kernel that A/B runs compare; the defaults are the
@@ -72,6 +75,14 @@ class MosaicOptions:
       rows past the last offset, queries that see no key) loads no Q tile and waits for
       none: it only stores its zeros (issue 23; padded skew16_16k 1.07x-1.09x on the
       H200, BUILD_NOTES.md). False: every unit loads its Q tile.
+    keyless_units: how the work items with no KV tile (padding rows, rows past the last
+      offset, queries that see no key) run. "first": one unit per item for all heads
+      (a compute warpgroup fills its output buffers with zeros once and stores them to
+      every head's rows), those units before the others, so that their stores overlap
+      the other programs' matrix products instead of ending the call (issue 23,
+      ``schedule.unit_of``); "spread": the same units dealt evenly among the others;
+      "per_head": a unit per (head, item), after the others, each storing its own zeros
+      (the kernel before the twentieth session).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the
@@ -96,6 +107,7 @@ class MosaicOptions:
   fold_scale: bool = True
   tile_spans_pages: bool = True
   skip_keyless_q: bool = True
+  keyless_units: str = "first"
   batch_invariant: bool = True
   poly_exp2: int = 0
 
@@ -108,6 +120,9 @@ class MosaicOptions:
       value = getattr(self, name)
       if value is not None and (not _is_int(value) or value not in (0, 1)):
         raise ValueError(f"MosaicOptions.{name} must be None, 0 or 1, got {value!r}")
+    if self.keyless_units not in KEYLESS_UNITS:
+      raise ValueError(f"MosaicOptions.keyless_units must be one of {KEYLESS_UNITS}, got "
+                       f"{self.keyless_units!r}")
     if (isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int)
         or not 0 <= self.poly_exp2 <= 8):
       raise ValueError(f"MosaicOptions.poly_exp2 must be an int in [0, 8], got "

@@ -679,3 +679,47 @@ def test_poly_exp2_experiment_arms_in_turns(tmp_path, monkeypatch, capsys):
   assert len(saved["rows"]) == 6
   with pytest.raises(SystemExit):
     poly_exp2.main(["--eighths", "2", "4"])
+
+
+def test_arms_experiment_times_arms_in_turns(tmp_path, monkeypatch, capsys):
+  """benchmarks.experiments.arms with stand-in systems: each (system, arm) prepared with
+  the arm's options, checked once, timed in turns every round; the table's ratios are to
+  the first arm of the same system and, for the padded system, to the packed one in the
+  same arm; bad arms are refused."""
+  from benchmarks.experiments import arms
+
+  asked, timed = [], []
+  secs = {("pallas_prefill_mosaic", "new"): 1.0, ("pallas_prefill_mosaic", "old"): 1.1,
+          ("pallas_prefill_padded", "new"): 1.02, ("pallas_prefill_padded", "old"): 1.32}
+
+  def fake_prepare(name, problems, mosaic_options):
+    key = (name, "old" if mosaic_options.get("keyless_units") == "per_head" else "new")
+    asked.append(key)
+    out = jnp.ones((3,), jnp.float32)
+    return sy.Prepared(lambda *a: out, [key], lambda o: o)
+
+  def fake_bench(fn, arg_sets):
+    timed.append(arg_sets[0])
+    return secs[arg_sets[0]]
+
+  monkeypatch.setattr(sy, "prepare", fake_prepare)
+  monkeypatch.setattr(sy, "reference", lambda p: jnp.ones((3,)) * 1.01)
+  monkeypatch.setattr(arms.run, "bench_jax", fake_bench)
+  rows = arms.main(["--arm", "new", "--arm", "old", "keyless_units='per_head'",
+                    "--workloads", "tiny", "--rounds", "2", "--rest", "0",
+                    "--out", str(tmp_path)])
+  assert asked == list(secs)
+  assert timed == list(secs) * 2  # in turns, every round
+  by = {(r["system"], r["arm"]): r for r in rows}
+  assert by["pallas_prefill_mosaic", "old"]["tflops"] == pytest.approx(
+      by["pallas_prefill_mosaic", "new"]["tflops"] / 1.1)
+  assert by["pallas_prefill_padded", "new"]["err"] == pytest.approx(0.01 / 1.01, rel=1e-4)
+  table = capsys.readouterr().out
+  assert "| old | " in table and "0.909x" in table  # old against new: 1.0 / 1.1
+  assert "1.020x" in table and "1.200x" in table  # padded time / packed, per arm
+  saved = json.loads((tmp_path / "arms.json").read_text())
+  assert saved["arms"] == {"new": {}, "old": {"keyless_units": "per_head"}}
+  for bad in (["--arm", "a", "--arm", "a"], ["--arm", "x=1"],
+              ["--arm", "a", "nonsense=1"]):
+    with pytest.raises(SystemExit):
+      arms.main(bad)

@@ -387,13 +387,50 @@ def test_padded_compiled_hlo_copies_nothing(backend, layout):
 
 @pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"][::3]
                          + PADDED_GPU_CASES[-5:], ids=lambda c: c.name)
-def test_padded_keyless_units_load_q(case):
-  """``MosaicOptions(skip_keyless_q=False)``: units without KV tiles load Q and wait for
-  it as the others do (the default skips both, which every other Mosaic GPU test runs);
-  the results stay exact."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))
+@pytest.mark.parametrize("skip_q", [True, False])
+def test_padded_keyless_units_per_head(case, skip_q):
+  """``MosaicOptions(keyless_units="per_head")``: a unit per (head, key-less item), after the
+  others (the default runs one unit per key-less item for all heads, first, which every
+  other Mosaic GPU test runs); with ``skip_keyless_q=False`` they also load Q and wait for
+  it as the others do. The results stay exact."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="per_head",
+                                                    skip_keyless_q=skip_q))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
+
+
+_KEYLESS = dataclasses.replace(_LARGE, lens=(300, 0, 7, 1000, 64, 65, 1),
+                               kv_lens=(5, 0, 999, 0, 77, 13, 0), lse=True, sink=True,
+                               extra_rows=700)
+
+
+def _options(case, **kw):
+  config = case.config or pp.MosaicConfig()
+  return dataclasses.replace(case, config=dataclasses.replace(
+      config, options=dataclasses.replace(config.options, **kw)))
+
+
+@pytest.mark.parametrize("case", [
+    _KEYLESS,
+    _options(_KEYLESS, dynamic=False),
+    _options(_KEYLESS, deal=1, head_major=1),
+    _options(_KEYLESS, build_work_list=False),
+    _options(_KEYLESS, keyless_units="spread"),
+    _options(_KEYLESS, keyless_units="spread", build_work_list=False, deal=1, head_major=0),
+    _options(_split(_KEYLESS), keyless_units="spread"),
+    _split(_KEYLESS),
+    dataclasses.replace(_KEYLESS, head_dim=256, kv_heads=2, heads=8),  # one output buffer
+    dataclasses.replace(_KEYLESS, lse=False, sink=False, head_dim_v=64),
+    dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True, sink=True,
+                        extra_rows=600),
+], ids=lambda c: c.name)
+def test_mosaic_keyless_units(case):
+  """Key-less items (queries whose K/V are empty, rows past the last offset) run as one
+  unit for all heads, first (``MosaicOptions.keyless_units``, the default) or spread
+  among the others: zeros and the sink's LSE on every head's rows, under the static deal,
+  the dealt order, XLA's work list, split units, one output buffer (depth 256, MLA with
+  the LSE) and V depth 64."""
+  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
 def _poly(case, eighths):

@@ -122,10 +122,18 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
   programs = 5
+  tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
+  n_keyed = int(xla_work_list.keyed_items(tiles, n_live))
+  keyless = config.options.keyless_units
+  apart = keyless != "per_head"
   head_major = schedule.head_major_order(
-      table[:, layout.T_HI] - table[:, layout.T_LO], n_live, num_heads=heads,
+      tiles, n_keyed if apart else n_live, num_heads=heads,
       group=heads // kv_heads, num_programs=programs)
-  units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major)
+  units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
+                        n_keyed=n_keyed if apart else None, spread=keyless == "spread")
+  # A key-less item's unit (``keyless_units``) runs each head's rows: no tiles, zeros.
+  units = [(hh, w) for h, w in units
+           for hh in (range(heads) if h == schedule.ALL_HEADS else [h])]
 
   def rows_of(x, start, n):
     """Rows [start, start + n) of x, zeros outside it (TMA's out-of-bounds fill)."""
@@ -383,15 +391,29 @@ def test_items_are_heaviest_first():
   assert not np.asarray(table[int(n_live):, layout.Q_LEN]).any()
 
 
-def program_units(programs, n_live, heads, group, head_major):
-  """Every program's (head, item) units in the order it runs them, checked to cover each
-  unit once."""
-  units = [tuple(int(x) for x in schedule.program_unit(
-      p, programs, k, num_heads=heads, group=group, n_live=jnp.int32(n_live),
-      head_major=jnp.int32(head_major)))
+def program_units(programs, n_live, heads, group, head_major, n_keyed=None, spread=False):
+  """Every program's (head, item) units in the order it runs them (the static deal),
+  checked to cover each unit once. ``n_keyed``: the kernel's units with key-less items
+  apart (``schedule.unit_of``, ``spread`` or first), the items from n_keyed on one unit
+  each (head ALL_HEADS); None: a unit per (head, item), ``schedule.program_unit``'s."""
+  if n_keyed is None:
+    units = [tuple(int(x) for x in schedule.program_unit(
+        p, programs, k, num_heads=heads, group=group, n_live=jnp.int32(n_live),
+        head_major=jnp.int32(head_major)))
+             for p in range(programs)
+             for k in range(int(schedule.num_local_units(p, programs, n_live * heads)))]
+    assert sorted(units) == [(h, w) for h in range(heads) for w in range(n_live)]
+    return units
+  n_keyless = n_live - n_keyed
+  total = schedule.num_units(heads, n_keyed, jnp.int32(n_keyless))
+  unit = functools.partial(schedule.unit_of, num_heads=heads, group=group,
+                           n_keyed=jnp.int32(n_keyed), n_keyless=jnp.int32(n_keyless),
+                           head_major=jnp.int32(head_major), spread=spread)
+  units = [tuple(int(x) for x in unit(schedule.dealt_unit(p, programs, k)))
            for p in range(programs)
-           for k in range(int(schedule.num_local_units(p, programs, n_live * heads)))]
-  assert sorted(units) == [(h, w) for h in range(heads) for w in range(n_live)]
+           for k in range(int(schedule.num_local_units(p, programs, total)))]
+  assert sorted(units) == sorted([(h, w) for h in range(heads) for w in range(n_keyed)]
+                                 + [(schedule.ALL_HEADS, w) for w in range(n_keyed, n_live)])
   return units
 
 
@@ -410,6 +432,35 @@ def test_programs_share_out_every_unit_once(n_live, heads, group, programs, head
     assert {h // group for h, _ in first} == {0}
   if not head_major:
     assert {w for _, w in first} == set(range(-(-len(first) // heads)))
+
+
+@pytest.mark.parametrize("n_live,n_keyed,heads,group,programs", [
+    (0, 0, 8, 1, 3), (5, 0, 4, 1, 3), (7, 3, 8, 2, 5), (300, 100, 32, 4, 132),
+    (10, 10, 8, 8, 7), (1, 0, 128, 1, 132), (40, 1, 2, 1, 3)])
+@pytest.mark.parametrize("head_major", [0, 1])
+@pytest.mark.parametrize("spread", [False, True])
+def test_keyless_items_run_apart_a_unit_each(n_live, n_keyed, heads, group, programs,
+                                             head_major, spread):
+  """``MosaicOptions.keyless_units`` (``schedule.unit_of``): the static deal runs every
+  keyed (head, item) once and every key-less item once for all heads; in unit order the
+  keyed items' units keep ``unit_head_item``'s order, and the key-less items come first
+  in item order, or ("spread") one after every n_keyed * heads // n_keyless keyed units."""
+  program_units(programs, n_live, heads, group, head_major, n_keyed=n_keyed, spread=spread)
+  n_keyless = n_live - n_keyed
+  total = int(schedule.num_units(heads, n_keyed, n_keyless))
+  assert total == n_keyed * heads + n_keyless
+  got = [tuple(int(x) for x in schedule.unit_of(
+      jnp.int32(u), num_heads=heads, group=group, n_keyed=jnp.int32(n_keyed),
+      n_keyless=jnp.int32(n_keyless), head_major=jnp.int32(head_major), spread=spread))
+         for u in range(total)]
+  keyless = [u for u, (h, _) in enumerate(got) if h == schedule.ALL_HEADS]
+  assert [got[u][1] for u in keyless] == list(range(n_keyed, n_live))
+  stride = n_keyed * heads // max(n_keyless, 1) + 1
+  assert keyless == [j * stride + stride - 1 if spread else j for j in range(n_keyless)]
+  assert [x for x in got if x[0] != schedule.ALL_HEADS] == [
+      tuple(int(x) for x in schedule.unit_head_item(
+          jnp.int32(u), num_heads=heads, group=group, n_live=jnp.int32(n_keyed),
+          head_major=jnp.int32(head_major))) for u in range(n_keyed * heads)]
 
 
 @pytest.mark.parametrize("n_units,programs", [(0, 5), (3, 5), (5, 5), (12, 5), (131, 132),
@@ -830,6 +881,10 @@ def POLY(eighths):  # noqa: N802 (reads as a config constant in the table below)
   return pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=eighths))
 
 
+# Key-less units as before the twentieth session, loading Q like the others
+NO_SKIP = pp.MosaicOptions(keyless_units="per_head", skip_keyless_q=False)
+
+
 LOWERED = [
     *[Lowered(mask=m) for m in (masks.CausalMask(), masks.NullMask(),
                                  masks.SlidingWindowCausalMask(128), masks.ChunkedCausalMask(256))],
@@ -861,10 +916,15 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16, head_dim=64, head_dim_v=64, rope=32),
     Lowered(soft_cap=30.0, lse=True, sink=True),
     Lowered(kind="mla", heads=16, kv_heads=16, soft_cap=50.0),
-    # MosaicOptions(skip_keyless_q=False): units without KV tiles load Q as the others do
-    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))),
+    # MosaicOptions.keyless_units: spread among the others; a unit per (head, key-less
+    # item), after the others; with skip_keyless_q=False too, they load Q as the others do
+    Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="spread"))),
+    Lowered(lse=True, sink=True, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="per_head"))),
+    Lowered(config=pp.MosaicConfig(options=NO_SKIP)),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
-            config=pp.MosaicConfig(options=pp.MosaicOptions(skip_keyless_q=False))),
+            config=pp.MosaicConfig(options=NO_SKIP)),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

@@ -89,7 +89,8 @@ def _offsets(lens):
   return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=False):
+def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=False,
+                     keyless_apart=True):
   rng = np.random.default_rng(seed)
   off = _offsets(case.lens)
   total_q = int(off[-1]) + case.extra_rows
@@ -119,21 +120,28 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
     check_invariant_tiles(np.asarray(table), page_tiles)
   programs = min(case.programs, case.heads * table.shape[0])
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
+  n_keyed = xla_work_list.keyed_items(tiles, n_live)
+  n_ordered = n_keyed if keyless_apart else n_live  # (``MosaicOptions.keyless_units``)
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
-  head_major, deal = (schedule.dynamic_schedule(tiles, n_live, **order) if dynamic
-                      else (schedule.head_major_order(tiles, n_live, **order), 0))
+  head_major, deal = (schedule.dynamic_schedule(tiles, n_ordered, **order) if dynamic
+                      else (schedule.head_major_order(tiles, n_ordered, **order), 0))
   bound = work_items.total_kv_tiles_bound(total_kv, paged and paged[1], case.block_kv)
   assert work_items.fits(table.shape[0], len(case.lens), bound)
   got, scalars = work_items.build(off, kv_rows(kv_off), total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
-                                  dynamic=dynamic, interpret=interpret, **kw)
+                                  dynamic=dynamic, interpret=interpret,
+                                  keyless_apart=keyless_apart, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
   assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
   np.testing.assert_array_equal(got[:table.shape[0]], table)
   tail8 = -1 if page_tiles else int(kv_end) // 8
   assert list(scalars[:4]) == [int(n_live), tail8, int(head_major), int(kv_end)]
   assert scalars[layout.S_DEAL] == int(deal)
-  rest = np.delete(scalars[4:], layout.S_DEAL - 4)
+  assert scalars[layout.S_KEYED] == int(n_keyed)
+  # Items [0, n_keyed) have KV tiles, the rest that run have none
+  assert (np.asarray(tiles)[:int(n_keyed)] > 0).all()
+  assert not np.asarray(tiles)[int(n_keyed):int(n_live)].any()
+  rest = np.delete(scalars[4:], [layout.S_DEAL - 4, layout.S_KEYED - 4])
   assert not rest.any()  # layout.S_NEXT among them: the claims start at 0
 
 
@@ -169,12 +177,14 @@ def test_work_items_match_xla_in_interpret_mode(case):
 DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], *WORK_CASES[-2:]]
 
 
+@pytest.mark.parametrize("keyless_apart", [True, False])
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: c.name)
-def test_work_items_dynamic_order(case):
+def test_work_items_dynamic_order(case, keyless_apart):
   """For dynamic scheduling (``MosaicOptions.dynamic``) the kernel picks the order and whether
   the units are dealt by ``schedule.dynamic_schedule``: the same table, and XLA's choice in
-  the scalars' lanes."""
-  check_work_items(case, interpret=True, dynamic=True)
+  the scalars' lanes (for the keyed items' units where the key-less ones run apart,
+  ``MosaicOptions.keyless_units``; else for all)."""
+  check_work_items(case, interpret=True, dynamic=True, keyless_apart=keyless_apart)
 
 
 def test_dynamic_cases_cover_every_schedule():

@@ -114,6 +114,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
+      keyless_units=config.options.keyless_units,
       poly_exp2=config.options.poly_exp2,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)

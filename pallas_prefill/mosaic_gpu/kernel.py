@@ -71,8 +71,8 @@ from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
-from pallas_prefill.mosaic_gpu.schedule import (dealt_unit, num_local_units, program_unit,
-                                                unit_head_item)
+from pallas_prefill.mosaic_gpu.schedule import (ALL_HEADS, dealt_unit, num_local_units,
+                                                num_units, unit_of)
 
 # FP8: P is quantized as 2**P_BIAS times its value (at most 256 of e4m3's 448), which keeps
 # small probabilities out of e4m3's subnormals; the running sum carries the same factor.
@@ -97,7 +97,7 @@ class KernelSpec:
   sequence's last V tile, and the block table follows it); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
   (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
-  skip_keyless_q: ``MosaicOptions.skip_keyless_q``; kv_unit: the unit of the work list's
+  skip_keyless_q, keyless_units: ``MosaicOptions``'; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
   (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
   ``MosaicOptions.poly_exp2``.
@@ -126,8 +126,14 @@ class KernelSpec:
   soft_cap: float | None = None
   top_left: bool = False
   skip_keyless_q: bool = True
+  keyless_units: str = "per_head"
   kv_unit: int = 8
   poly_exp2: int = 0
+
+  @property
+  def keyless_apart(self) -> bool:
+    """Key-less items run as units of their own, for all heads (``schedule.unit_of``)."""
+    return self.keyless_units != "per_head"
 
   @property
   def chunks(self):
@@ -235,20 +241,28 @@ class Units:
   A unit is (head, item, half): half 0 for shared units (each compute warpgroup takes its
   own rows of them); with split units, unit v is half v % 2 (the rows of warpgroup
   v % 2's share) of shared unit v // 2, so that an item's two halves are claimed one
-  after the other. Dynamic: each program's producer claims (or takes as dealt) the next
-  unit one ahead and passes it to the compute warpgroups through two shared-memory slots
-  a lane (``publish``, ``take``). Static: ``schedule.program_unit`` deals them.
+  after the other. Unless ``keyless_units`` is "per_head", an item without KV tiles is
+  one unit whose head is ``schedule.ALL_HEADS`` (``schedule.unit_of``). Dynamic: each program's producer
+  claims (or takes as dealt) the next unit one ahead and passes it to the compute
+  warpgroups through two shared-memory slots a lane (``publish``, ``take``). Static: the
+  zigzag (``schedule.dealt_unit``) deals them.
   """
 
   def __init__(self, spec: KernelSpec, refs: Refs, scratch: smem.Scratch, wg):
     self.spec, self.refs, self.scratch, self.wg = spec, refs, scratch, wg
     self.lane = lax.rem(wg, jnp.int32(L.COMPUTE_WGS)) if spec.split else 0
-    self.n_live = refs.scalars[L.S_LIVE]
-    self.n_units = self.n_live * spec.num_heads * (L.COMPUTE_WGS if spec.split else 1)
+    n_live = refs.scalars[L.S_LIVE]
+    n_keyed, n_keyless = n_live, None
+    if spec.keyless_apart:
+      n_keyed = refs.scalars[L.S_KEYED]
+      n_keyless = n_live - n_keyed
+    self.n_units = (num_units(spec.num_heads, n_keyed, n_keyless)
+                    * (L.COMPUTE_WGS if spec.split else 1))
     # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
     self.by_order = functools.partial(
-        unit_head_item, num_heads=spec.num_heads, group=spec.group, n_live=self.n_live,
-        head_major=refs.scalars[L.S_HEAD_MAJOR])
+        unit_of, num_heads=spec.num_heads, group=spec.group, n_keyed=n_keyed,
+        n_keyless=n_keyless, head_major=refs.scalars[L.S_HEAD_MAJOR],
+        spread=spec.keyless_units == "spread")
 
   def claimed(self, u):
     """The (head, item, half) of claimed unit u."""
@@ -258,10 +272,11 @@ class Units:
     return (*self.by_order(u), 0)
 
   def item_of(self, hwh):
-    """Unit (head, item, half)'s head, item, its table row reader, its KV tile range
-    (the item's, or with split units the half's), and whose rows it computes (the half,
-    or for shared units the warpgroup's own)."""
+    """Unit (head, item, half)'s head (0 for ``ALL_HEADS``), item, its table row reader,
+    its KV tile range (the item's, or with split units the half's), and whose rows it
+    computes (the half, or for shared units the warpgroup's own)."""
     h, w, half = hwh
+    h = jnp.maximum(h, 0)
     meta = lambda col: self.refs.meta[w, col]  # noqa: E731
     if self.spec.split:
       return (h, w, meta, meta(L.WG_COLS + 4 * half), meta(L.WG_COLS + 4 * half + 3), half)
@@ -296,10 +311,9 @@ class Units:
     loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
     its hw) once per unit: with dynamic scheduling, that takes the next claim."""
     spec = self.spec
-    if not spec.dynamic:  # the units program_unit deals this program (its k-th: units(k))
-      units = functools.partial(program_unit, lax.axis_index("cta"), lax.axis_size("cta"),
-                                num_heads=spec.num_heads, group=spec.group,
-                                n_live=self.n_live, head_major=self.refs.scalars[L.S_HEAD_MAJOR])
+    if not spec.dynamic:  # the units the zigzag deals this program (its k-th: units(k))
+      units = lambda k: self.by_order(  # noqa: E731
+          dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k))
       n_local = num_local_units(lax.axis_index("cta"), lax.axis_size("cta"), self.n_units)
       pl.when(n_local > 0)(lambda: first((*units(0), 0)))
 
@@ -371,7 +385,9 @@ class Item:
   tiles [item_lo, item_hi) (the K/V slots' stream), of which it computes [t_lo, t_hi),
   masked outside [u_lo, u_hi); its first Q row (a multiple of 8), the rows
   [first, first + n_rows) of it that it stores, and the position of that first row; the
-  sequence's K/V start and length and its tiles' alignment (``tile_first_row``)."""
+  sequence's K/V start and length and its tiles' alignment (``tile_first_row``); whether
+  it is a key-less item's unit for all heads (``MosaicOptions.keyless_units``: h is
+  then 0)."""
 
   h: object
   w: object
@@ -391,6 +407,7 @@ class Item:
   kv_row: object
   kv_last: object
   base: object
+  all_heads: object = False
   qk_scale: object = None  # FP8: the logit factor (softmax scale and log2(e) included)
   v_scale: object = None  # FP8: V's dequantization scale, which multiplies the output
 
@@ -409,9 +426,12 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
              lse=scratch.lse.at[wg] if spec.has_lse else None,
              p=scratch.p.at[wg] if spec.fp8 else None)
 
+  skip_keyless = spec.skip_keyless_q or spec.keyless_apart
+
   def load_q(hw):
     """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free); none for a
-    unit without KV tiles under ``skip_keyless_q`` (``run`` then waits for none)."""
+    unit without KV tiles under ``skip_keyless_q`` or ``keyless_apart`` (``run`` then
+    waits for none)."""
     h, _, meta, item_lo, item_hi, half = units.item_of(hw)
     row = first_q_row(meta, half, spec.block_q)
 
@@ -422,7 +442,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
                                     pl.ds(part.q_col + col, L.CHUNK)],
             s, scratch.q_loaded.at[wg])
 
-    if spec.skip_keyless_q:
+    if skip_keyless:
       pl.when(item_hi > item_lo)(copies)
     else:
       copies()
@@ -430,7 +450,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
   def run(hw, base, fetch_next):
     item = read_item(spec, refs, units, hw, base)
     wait_q = lambda: plgpu.barrier_wait(scratch.q_loaded.at[wg])  # noqa: E731
-    if spec.skip_keyless_q:
+    if skip_keyless:
       # The barrier's phase lives in shared memory and moves only with a wait: skipping
       # the copy and the wait together keeps the next unit's wait on its own copy.
       pl.when(item.item_hi > item.item_lo)(wait_q)
@@ -474,25 +494,16 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
               kv_start=kv_start, kv_len=kv_len, kv_row=kv_row, kv_last=kv_last, base=base,
-              **scales)
+              all_heads=hw[0] == ALL_HEADS, **scales)
 
 
 def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem, p_smem):
   """The KV loop of one unit: skipped tiles (the item's, outside this warpgroup's range),
   masked tiles, unmasked ones, masked ones, skipped ones. Returns (acc, m, l); FP8: m is
   the running maximum less P_BIAS, l carries 2**P_BIAS."""
-  layout = plgpu.Layout.WGMMA
-  if spec.has_sink and spec.fp8:
-    m0, l0 = refs.sink[item.h] * LOG2_E - P_BIAS, float(2 ** P_BIAS)
-  elif spec.has_sink:
-    m0, l0 = refs.sink[item.h] * LOG2_E, 1.0
-  else:
-    m0, l0 = MASK_VALUE, 0.0
-  m_i = plgpu.layout_cast(jnp.full((spec.block_q,), m0, jnp.float32), layout.reduce(1))
-  l_i = plgpu.layout_cast(jnp.full((spec.block_q,), l0, jnp.float32), layout.reduce(1))
+  m_i, l_i = initial_rows(spec, refs, item.h)
   # One accumulator per 64 columns of V: P.V is one matrix product per V buffer.
-  acc = tuple(plgpu.layout_cast(jnp.zeros((spec.block_q, L.CHUNK), jnp.float32), layout)
-              for _ in scratch.v)
+  acc = tuple(zero_chunk(spec) for _ in scratch.v)
   turns.start()
   slot = lambda i: units.slot_of(i, item.base, item.item_lo)  # noqa: E731
 
@@ -516,6 +527,26 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem, p_smem):
   carry = lax.fori_loop(item.u_hi, item.t_hi, masked_step, carry)
   lax.fori_loop(item.t_hi, item.item_hi, skip, None)
   return carry
+
+
+def initial_rows(spec, refs, h):
+  """The running maximum and sum of head h's rows before any key ([block_q] float32 each):
+  the sink's (FP8: with P_BIAS), or none."""
+  if spec.has_sink and spec.fp8:
+    m0, l0 = refs.sink[h] * LOG2_E - P_BIAS, float(2 ** P_BIAS)
+  elif spec.has_sink:
+    m0, l0 = refs.sink[h] * LOG2_E, 1.0
+  else:
+    m0, l0 = MASK_VALUE, 0.0
+  layout = plgpu.Layout.WGMMA.reduce(1)
+  return tuple(plgpu.layout_cast(jnp.full((spec.block_q,), x, jnp.float32), layout)
+               for x in (m0, l0))
+
+
+def zero_chunk(spec):
+  """A [block_q, 64] float32 accumulator of zeros."""
+  return plgpu.layout_cast(jnp.zeros((spec.block_q, L.CHUNK), jnp.float32),
+                           plgpu.Layout.WGMMA)
 
 
 def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry, *,
@@ -658,6 +689,55 @@ def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16):
 
 
 def epilogue(spec, refs, item: Item, carry, o_smem, lse_smem):
+  """Stores the unit's rows: ``store_unit``, or for a key-less item's unit for all heads
+  (``KernelSpec.keyless_apart``) ``store_zeros``."""
+  if not spec.keyless_apart:
+    store_unit(spec, refs, item, carry, o_smem, lse_smem)
+    return
+  pl.when(item.all_heads)(lambda: store_zeros(spec, refs, item, o_smem, lse_smem))
+  pl.when(jnp.logical_not(item.all_heads))(
+      lambda: store_unit(spec, refs, item, carry, o_smem, lse_smem))
+
+
+def row_lse(m_i, l_i):
+  """The rows' LSE (natural log) from the base-2 running maximum and sum; the empty-row
+  value where the sum is 0 (no key, no sink)."""
+  seen = l_i > 0
+  return jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN_2, EMPTY_ROW_LSE)
+
+
+def lse_slot(spec, refs, item: Item, h):
+  """Head h's part of the unit's slot in the per-item LSE buffer."""
+  return refs.lse.at[h, pl.ds((item.w * L.COMPUTE_WGS + item.half) * spec.block_q,
+                              spec.block_q)]
+
+
+def store_zeros(spec, refs, item: Item, o_smem, lse_smem):
+  """A key-less item's unit for all heads: the LSE of every head's rows (the sink's, or
+  the empty-row value), then zeros, written once into the output buffers, stored to
+  every head's rows [first, first + n_rows). The stores are left in flight: the next
+  unit's epilogue waits for them to have read the buffers."""
+  if spec.has_lse:
+    @pl.loop(0, spec.num_heads)
+    def _lse(h):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last LSE store read
+      lse_smem[...] = row_lse(*initial_rows(spec, refs, h))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_slot(spec, refs, item, h))
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read
+  zero = zero_chunk(spec).astype(spec.out_dtype)
+  for buf in o_smem:
+    buf[...] = zero
+  plgpu.commit_smem()
+
+  @pl.loop(0, spec.num_heads)
+  def _heads(h):
+    for g in range(0, spec.v_depth // L.CHUNK, len(o_smem)):
+      store_rows(spec, refs, item, o_smem, g, h=h)
+
+
+def store_unit(spec, refs, item: Item, carry, o_smem, lse_smem):
   """Normalizes the accumulators and stores the unit's rows [first, first + n_rows) of
   the output (and its LSE to the per-item buffer)."""
   acc, m_i, l_i = carry
@@ -674,18 +754,18 @@ def epilogue(spec, refs, item: Item, carry, o_smem, lse_smem):
     for buf, part in zip(o_smem, out[g:]):
       buf[...] = part
     if spec.has_lse and g == 0:
-      lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, EMPTY_ROW_LSE)
+      lse_smem[...] = row_lse(m_i, l_i)
     plgpu.commit_smem()
     store_rows(spec, refs, item, o_smem, g)
   if spec.has_lse:
-    plgpu.copy_smem_to_gmem(
-        lse_smem, refs.lse.at[item.h, pl.ds((item.w * L.COMPUTE_WGS + item.half) * spec.block_q,
-                                            spec.block_q)])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_slot(spec, refs, item, item.h))
 
 
-def store_rows(spec, refs, item: Item, o_smem, g):
+def store_rows(spec, refs, item: Item, o_smem, g, h=None):
   """Row-exact store of rows [first, first + n_rows) of the output buffers (columns
-  from chunk g on): one TMA per set bit of n_rows, so no store touches a neighbour's rows."""
+  from chunk g on) to head h's (the item's head by default): one TMA per set bit of
+  n_rows, so no store touches a neighbour's rows."""
+  h = item.h if h is None else h
   start, size = item.first, spec.block_q
   while size >= 1:
     take = (item.n_rows & size) != 0
@@ -695,7 +775,7 @@ def store_rows(spec, refs, item: Item, o_smem, g):
       for c, buf in enumerate(o_smem):
         plgpu.copy_smem_to_gmem(
             buf.at[pl.ds(start, size)],
-            refs.o.at[pl.ds(item.row + start, size), item.h, pl.ds((g + c) * L.CHUNK, L.CHUNK)])
+            refs.o.at[pl.ds(item.row + start, size), h, pl.ds((g + c) * L.CHUNK, L.CHUNK)])
 
     start = start + jnp.where(take, size, 0)
     size //= 2

@@ -30,8 +30,10 @@ NO_SHIFT_ROW = 2**30
 # ``v_tail``). With dynamic scheduling, the lane the programs claim units from
 # (``primitives.claim``): 0 before the call, one more per claim; and the lane that says
 # whether the programs take the units the static zigzag deals them instead
-# (``schedule.dynamic_schedule``). The operand has ``SCALAR_LANES`` lanes or more.
-S_LIVE, S_TAIL8, S_HEAD_MAJOR, S_KV_TAIL, S_NEXT, S_DEAL = range(6)
+# (``schedule.dynamic_schedule``). Then the items that run and have KV tiles (they come
+# first: the rest of the items that run store only zeros, ``schedule.unit_of``). The
+# operand has ``SCALAR_LANES`` lanes or more.
+S_LIVE, S_TAIL8, S_HEAD_MAJOR, S_KV_TAIL, S_NEXT, S_DEAL, S_KEYED = range(7)
 SCALAR_LANES = 8
 
 # Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;

@@ -18,7 +18,8 @@ from pallas_prefill.config import MosaicConfig
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import schedule
 from pallas_prefill.mosaic_gpu import work_items
-from pallas_prefill.mosaic_gpu.work_list import num_work_items, paged_kv_lengths, work_list
+from pallas_prefill.mosaic_gpu.work_list import (keyed_items, num_work_items, paged_kv_lengths,
+                                                 work_list)
 
 
 def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
@@ -109,6 +110,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options
+  keyless_apart = options.keyless_units != "per_head"
   if options.build_work_list and not return_lse and work_items.fits(num_items, batch,
                                                                     tile_bound):
     # One small kernel instead of XLA's ~16 (``work_items``); the LSE's row slots come
@@ -116,17 +118,24 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
     table, scalars = work_items.build(q_offsets, kv_rows, total_q, total_kv,
                                       num_heads=num_heads, group=group,
                                       num_programs=programs, dynamic=options.dynamic,
-                                      interpret=interpret, **kw)
+                                      interpret=interpret,
+                                      keyless_apart=keyless_apart, **kw)
     lse_slot, kv_end = None, scalars[L.S_KV_TAIL]
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_rows, total_q, total_kv, **kw)
     tiles = table[:, L.T_HI] - table[:, L.T_LO]
+    n_keyed = keyed_items(tiles, n_live)
+    # The order is picked for the (head, item) units: the keyed items' where the
+    # key-less ones run apart, a unit each (``schedule.unit_of``).
+    n_ordered = n_keyed if keyless_apart else n_live
     order = dict(num_heads=num_heads, group=group, num_programs=programs)
-    head_major, deal = (schedule.dynamic_schedule(tiles, n_live, **order) if options.dynamic
-                        else (schedule.head_major_order(tiles, n_live, **order), 0))
+    head_major, deal = (
+        schedule.dynamic_schedule(tiles, n_ordered, **order) if options.dynamic
+        else (schedule.head_major_order(tiles, n_ordered, **order), 0))
     scalars = jnp.zeros((L.SCALAR_LANES,), jnp.int32)  # L.S_NEXT: 0
     for lane, x in ((L.S_LIVE, n_live), (L.S_TAIL8, -1 if page_tiles else L.floor8(kv_end) // 8),
-                    (L.S_HEAD_MAJOR, head_major), (L.S_KV_TAIL, kv_end), (L.S_DEAL, deal)):
+                    (L.S_HEAD_MAJOR, head_major), (L.S_KV_TAIL, kv_end), (L.S_DEAL, deal),
+                    (L.S_KEYED, n_keyed)):
       scalars = scalars.at[lane].set(jnp.asarray(x, jnp.int32))
   if options.dynamic and options.head_major is not None:  # the order forced (A/B runs)
     scalars = scalars.at[L.S_HEAD_MAJOR].set(options.head_major)

@@ -67,6 +67,40 @@ def unit_head_item(unit, *, num_heads, group, n_live, head_major):
   return tuple(jnp.where(head_major != 0, a, b) for a, b in zip(by_kv_head, by_item))
 
 
+ALL_HEADS = -1  # ``unit_of``'s head for a key-less item's one unit
+
+
+def unit_of(unit, *, num_heads, group, n_keyed, n_keyless, head_major, spread=False):
+  """The (head, item) of unit `unit` when the live items' last ``n_keyless`` have no KV
+  tile (``MosaicOptions.keyless_units``): those items are one unit each for all their
+  heads (head ``ALL_HEADS``: they only store zeros), the others the (head, item) units
+  of the ``n_keyed`` items with tiles in ``unit_head_item``'s order. The key-less units
+  come first (units [0, n_keyless)), or with ``spread`` one after every s keyed units,
+  s = n_keyed * num_heads // n_keyless, so that their stores overlap the other
+  programs' matrix products. ``n_keyless`` None: no key-less units of their own
+  (``unit_head_item`` over ``n_keyed`` items)."""
+  order = dict(num_heads=num_heads, group=group, n_live=n_keyed, head_major=head_major)
+  if n_keyless is None:
+    return unit_head_item(unit, **order)
+  if spread:
+    # Blocks of `stride` units, the last of each of the first n_keyless blocks key-less.
+    stride = lax.div(n_keyed * num_heads, jnp.maximum(n_keyless, 1)) + 1
+    block = lax.div(unit, stride)
+    keyless = (lax.rem(unit, stride) == stride - 1) & (block < n_keyless)
+    j, keyed = block, unit - jnp.minimum(block, n_keyless)
+  else:
+    keyless = unit < n_keyless
+    j, keyed = unit, unit - n_keyless
+  head, item = unit_head_item(keyed, **order)
+  return jnp.where(keyless, ALL_HEADS, head), jnp.where(keyless, n_keyed + j, item)
+
+
+def num_units(num_heads, n_keyed, n_keyless):
+  """The units of ``unit_of``: a unit per head of each keyed item, plus one per key-less
+  item (``n_keyless`` None: none)."""
+  return n_keyed * num_heads + (0 if n_keyless is None else n_keyless)
+
+
 def program_loads(unit_costs, num_programs):
   """Each program's summed cost of the units (in order u = 0, 1, ...) it is dealt."""
   rows = -(-unit_costs.shape[0] // num_programs)

@@ -186,7 +186,7 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret, kv_align, seq_column):
+            top_left, interpret, kv_align, seq_column, keyless_apart):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
@@ -280,21 +280,26 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       ops.scatter(table_ref, i * n_cols + c, x)
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
-    cost = schedule.item_costs(sorted_cols[L.T_HI] - sorted_cols[L.T_LO],
-                             i < n_live)
+    tiles = sorted_cols[L.T_HI] - sorted_cols[L.T_LO]
+    # (``work_list.keyed_items``: the items that run and have KV tiles come first)
+    n_keyed = jnp.sum(jnp.where((i < n_live) & (tiles > 0), 1, 0))
+    # The unit order is picked for the (head, item) units: with ``keyless_apart`` the
+    # keyed items' alone (``operands.operands``).
+    n_ordered = n_keyed if keyless_apart else n_live
+    cost = schedule.item_costs(tiles, i < n_ordered)
     if dynamic:  # ``schedule.dynamic_schedule``: the deal's loop only where claims lose
       claimed = _dynamic_order(ops, cost, scan_buf, **order)
-      dealt = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, skip=claimed,
+      dealt = _unit_order(ops, cost, sort_buf, i, n_ordered, n_items=n_items, skip=claimed,
                           **order)
       head_major, deal = schedule.schedule_of(claimed, dealt)
     else:
-      head_major = _unit_order(ops, cost, sort_buf, i, n_live, n_items=n_items, **order)
+      head_major = _unit_order(ops, cost, sort_buf, i, n_ordered, n_items=n_items, **order)
       deal = 0
     s = _iota(WARPGROUP)
     tail8 = -1 if page_tiles else lax.div(kv_tail, 8)  # as ``operands.operands`` has it
     scalars = s * 0  # the other lanes: 0, L.S_NEXT (the claim count) among them
-    lanes = (L.S_LIVE, L.S_TAIL8, L.S_HEAD_MAJOR, L.S_KV_TAIL, L.S_DEAL)
-    for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail, deal)):
+    lanes = (L.S_LIVE, L.S_TAIL8, L.S_HEAD_MAJOR, L.S_KV_TAIL, L.S_DEAL, L.S_KEYED)
+    for lane, x in zip(lanes, (n_live, tail8, head_major, kv_tail, deal, n_keyed)):
       scalars = jnp.where(s == lane, x, scalars)
     ops.scatter(scalar_ref, s, scalars)
 
@@ -317,14 +322,16 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          top_left=False, interpret=False, kv_align=1, seq_column=False):
+          top_left=False, interpret=False, kv_align=1, seq_column=False, keyless_apart=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
   that run, the last key's 8-row group, the unit order for ``num_programs`` programs
   (``head_major_order``'s for the static deal; with ``dynamic``, ``dynamic_schedule``'s,
   whose second part goes to lane ``layout.S_DEAL``), and the end of the last sequence's
-  keys; the rest zeros). Only where ``fits``; arguments as ``work_list``'s."""
+  keys, and the items that run with KV tiles (``layout.S_KEYED``); the rest zeros).
+  ``keyless_apart``: the unit order is picked for the keyed items' units alone (the
+  key-less ones run apart: ``MosaicOptions.keyless_units``). Only where ``fits``; arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
@@ -343,7 +350,7 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
       page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
-      kv_align=kv_align, seq_column=seq_column)
+      kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

@@ -180,3 +180,11 @@ def num_work_items(total_q, batch, block_q):
   return pl.cdiv(total_q + 8 * (batch + 1), L.COMPUTE_WGS * block_q) + batch + 1
 
 
+
+
+def keyed_items(item_tiles, n_live):
+  """How many of the items that run have KV tiles (``item_tiles``: each item's, in table
+  order): they come first, heaviest first, and the rest of the items that run store
+  only zeros (``schedule.unit_of``). ``work_items``' kernel computes the same."""
+  live = jnp.arange(item_tiles.shape[0], dtype=jnp.int32) < n_live
+  return jnp.sum(live & (item_tiles > 0), dtype=jnp.int32)
