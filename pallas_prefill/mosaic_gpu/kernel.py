@@ -276,7 +276,8 @@ class Units:
     its KV tile range (the item's, or with split units the half's), and whose rows it
     computes (the half, or for shared units the warpgroup's own)."""
     h, w, half = hwh
-    h = jnp.maximum(h, 0)
+    if self.spec.keyless_apart:
+      h = jnp.maximum(h, 0)  # ALL_HEADS
     meta = lambda col: self.refs.meta[w, col]  # noqa: E731
     if self.spec.split:
       return (h, w, meta, meta(L.WG_COLS + 4 * half), meta(L.WG_COLS + 4 * half + 3), half)
