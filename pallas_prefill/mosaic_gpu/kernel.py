@@ -242,10 +242,10 @@ class Units:
   own rows of them); with split units, unit v is half v % 2 (the rows of warpgroup
   v % 2's share) of shared unit v // 2, so that an item's two halves are claimed one
   after the other. Unless ``keyless_units`` is "per_head", an item without KV tiles is
-  one unit whose head is ``schedule.ALL_HEADS`` (``schedule.unit_of``). Dynamic: each program's producer
-  claims (or takes as dealt) the next unit one ahead and passes it to the compute
-  warpgroups through two shared-memory slots a lane (``publish``, ``take``). Static: the
-  zigzag (``schedule.dealt_unit``) deals them.
+  one unit whose head is ``schedule.ALL_HEADS`` (``schedule.unit_of``). Dynamic: each
+  program's producer claims (or takes as dealt) the next unit one ahead and passes it to
+  the compute warpgroups through two shared-memory slots a lane (``publish``, ``take``).
+  Static: the zigzag (``schedule.dealt_unit``) deals them.
   """
 
   def __init__(self, spec: KernelSpec, refs: Refs, scratch: smem.Scratch, wg):

@@ -331,7 +331,8 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   whose second part goes to lane ``layout.S_DEAL``), and the end of the last sequence's
   keys, and the items that run with KV tiles (``layout.S_KEYED``); the rest zeros).
   ``keyless_apart``: the unit order is picked for the keyed items' units alone (the
-  key-less ones run apart: ``MosaicOptions.keyless_units``). Only where ``fits``; arguments as ``work_list``'s."""
+  key-less ones run apart: ``MosaicOptions.keyless_units``). Only where ``fits``;
+  arguments as ``work_list``'s."""
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q)
   n_items, _ = sizes(num_items, batch)
