@@ -805,7 +805,8 @@ def test_split_units_need_dynamic_scheduling():
     (dict(dynamic=1), "dynamic"), (dict(head_major=2), "head_major"),
     (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale"),
     (dict(poly_exp2=9), "poly_exp2"), (dict(poly_exp2=True), "poly_exp2"),
-    (dict(poly_exp2=2.0), "poly_exp2")])
+    (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
+    (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
