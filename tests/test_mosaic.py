@@ -232,6 +232,24 @@ def test_schedule_matches_reference(case):
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
+@pytest.mark.parametrize("keyless", ["first", "spread", "per_head"])
+@pytest.mark.parametrize("case", [
+    cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
+               heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
+               config=None),
+    cases.Case(kind="mla", lens=(9, 0, 130), kv_lens=(0, 0, 140), heads=2, kv_heads=2,
+               head_dim=64, rope_dim=64, lse=True, extra_rows=300, config=None),
+], ids=lambda c: c.name)
+def test_schedule_keyless_placements_match_reference(case, keyless):
+  """Many key-less items (queries without keys, rows past the last offset) under each
+  ``MosaicOptions.keyless_units`` placement: every row written once, zeros and the sink's
+  LSE where no key is seen, the rest as the reference."""
+  seed = cases.fresh_seed()
+  args, kwargs, last_row = cases.make_inputs(case, seed)
+  config = pp.MosaicConfig(block_kv=64, options=pp.MosaicOptions(keyless_units=keyless))
+  check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
+
+
 def check_emulated(case, config, args, kwargs, last_row, *, tag):
   """The emulated kernel against the float64 reference: finite, close, LSE close, and the
   rows past the last sequence zero."""
