@@ -45,6 +45,11 @@ The ragged parts, which the dense kernel has none of:
   the sliced stores into the warpgroup's buffer gave a wrong second half on the H200 that
   interpret mode does not show, BUILD_NOTES.md. Where shared memory holds only one buffer,
   ``smem.output_buffers``, that one is filled and stored a column chunk at a time.)
+- Items without KV tiles (padding rows, rows past the last offset, queries that see no
+  key) store only zeros: by default each is one unit for all heads
+  (``MosaicOptions.keyless_units``, ``schedule.unit_of``), run before the others, whose
+  compute warpgroups write zeros into their output buffers once and store them to every
+  head's rows (``store_zeros``), so that those stores drain while other programs compute.
 - Paged caches with pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place:
   KV tile i of a sequence is its positions [i * block_kv, (i + 1) * block_kv), which lie
   in one page or span ``layout.tile_pages`` whole pages; the producer reads the page ids
