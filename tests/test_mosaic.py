@@ -123,7 +123,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # each runs several), in the order the call picks.
   programs = 5
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
-  n_keyed = int(xla_work_list.keyed_items(tiles, n_live))
+  n_keyed = int(xla_work_list.keyed_items(tiles, np.arange(len(tiles)) < n_live))
   keyless = config.options.keyless_units
   apart = keyless != "per_head"
   head_major = schedule.head_major_order(

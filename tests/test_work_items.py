@@ -120,7 +120,7 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
     check_invariant_tiles(np.asarray(table), page_tiles)
   programs = min(case.programs, case.heads * table.shape[0])
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
-  n_keyed = xla_work_list.keyed_items(tiles, n_live)
+  n_keyed = xla_work_list.keyed_items(tiles, jnp.arange(tiles.shape[0]) < n_live)
   n_ordered = n_keyed if keyless_apart else n_live  # (``MosaicOptions.keyless_units``)
   order = dict(num_heads=case.heads, group=case.group, num_programs=programs)
   head_major, deal = (schedule.dynamic_schedule(tiles, n_ordered, **order) if dynamic

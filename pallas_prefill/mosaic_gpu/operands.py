@@ -124,7 +124,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_rows, total_q, total_kv, **kw)
     tiles = table[:, L.T_HI] - table[:, L.T_LO]
-    n_keyed = keyed_items(tiles, n_live)
+    n_keyed = keyed_items(tiles, jnp.arange(tiles.shape[0]) < n_live)
     # The order is picked for the (head, item) units: the keyed items' where the
     # key-less ones run apart, a unit each (``schedule.unit_of``).
     n_ordered = n_keyed if keyless_apart else n_live

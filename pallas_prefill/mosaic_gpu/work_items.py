@@ -281,8 +281,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
     tiles = sorted_cols[L.T_HI] - sorted_cols[L.T_LO]
-    # (``work_list.keyed_items``: the items that run and have KV tiles come first)
-    n_keyed = jnp.sum(jnp.where((i < n_live) & (tiles > 0), 1, 0))
+    n_keyed = xla.keyed_items(tiles, i < n_live)
     # The unit order is picked for the (head, item) units: with ``keyless_apart`` the
     # keyed items' alone (``operands.operands``).
     n_ordered = n_keyed if keyless_apart else n_live

@@ -181,10 +181,9 @@ def num_work_items(total_q, batch, block_q):
 
 
 
-
-def keyed_items(item_tiles, n_live):
-  """How many of the items that run have KV tiles (``item_tiles``: each item's, in table
-  order): they come first, heaviest first, and the rest of the items that run store
-  only zeros (``schedule.unit_of``). ``work_items``' kernel computes the same."""
-  live = jnp.arange(item_tiles.shape[0], dtype=jnp.int32) < n_live
-  return jnp.sum(live & (item_tiles > 0), dtype=jnp.int32)
+def keyed_items(item_tiles, live):
+  """How many of the items that run (``live``, as ``schedule.item_costs`` takes it) have
+  KV tiles (``item_tiles``: each item's, in table order): they come first, heaviest
+  first, and the rest of the items that run store only zeros (``schedule.unit_of``).
+  Plain ``jnp``, shared by XLA (``operands``) and ``work_items``' kernel."""
+  return jnp.sum(jnp.where(live & (item_tiles > 0), 1, 0))
