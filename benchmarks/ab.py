@@ -47,6 +47,20 @@ def run_arm(options, harness_args, out) -> None:
                  env=env, check=True)
 
 
+def parse_arms(parser, arm_args) -> dict:
+  """{name: options} from ``--arm NAME OPTION=VALUE ...`` lists (``parse_mosaic_options``);
+  a bad arm is the parser's error. Shared with ``benchmarks.experiments.arms``."""
+  arms = {}
+  for name, *settings in arm_args:
+    if name in arms or "=" in name:
+      parser.error(f"arm names must be unique and come first: {name!r}")
+    try:
+      arms[name] = sy.parse_mosaic_options(settings)
+    except ValueError as e:
+      parser.error(f"arm {name}: {e}")
+  return arms
+
+
 def medians(arms, rounds, out):
   """One row per (kernel, workload, system): each arm's median TFLOP/s over its rounds
   (``tflops``) and whether all of its rounds were correct (``correct``)."""
@@ -79,14 +93,7 @@ def main(argv=None):
   for option in ("--out", "--mosaic-options"):
     if option in harness_args:
       parser.error(f"{option} is ab's (or its arms'), not the harness's: give it before --")
-  arms = {}
-  for name, *settings in args.arm:
-    if name in arms or "=" in name:
-      parser.error(f"arm names must be unique and come first: {name!r}")
-    try:
-      arms[name] = sy.parse_mosaic_options(settings)
-    except ValueError as e:
-      parser.error(f"arm {name}: {e}")
+  arms = parse_arms(parser, args.arm)
   os.makedirs(args.out, exist_ok=True)
   for r in range(args.rounds):
     for name, options in arms.items():

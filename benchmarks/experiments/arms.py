@@ -25,6 +25,7 @@ import os
 import statistics
 import time
 
+from benchmarks import ab
 from benchmarks import run
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
@@ -33,7 +34,9 @@ PACKED, PADDED = "pallas_prefill_mosaic", "pallas_prefill_padded"
 
 
 def run_workload(kind, workload, arms, args):
-  """The workload's (system, arm) pairs, checked, then timed in turns; a row each."""
+  """The workload's (system, arm) pairs (``args.systems``, ``arms``: {name: options}),
+  checked, then timed in turns over ``args.rounds`` after ``args.rest`` seconds each; a
+  row each, in that order. ``benchmarks.experiments.poly_exp2`` shares it."""
   problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
   flops = sy.useful_flops(problems[0])
   rows, held = [], []
@@ -83,14 +86,7 @@ def main(argv=None):
   parser.add_argument("--rest", type=float, default=0.5)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  arms = {}
-  for name, *settings in args.arm:
-    if name in arms or "=" in name:
-      parser.error(f"arm names must be unique and come first: {name!r}")
-    try:
-      arms[name] = sy.parse_mosaic_options(settings)
-    except ValueError as e:
-      parser.error(f"arm {name}: {e}")
+  arms = ab.parse_arms(parser, args.arm)
   rows = []
   for kind in args.kernels:
     for name in args.workloads:

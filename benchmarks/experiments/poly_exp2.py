@@ -22,36 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 from benchmarks import run
 from benchmarks import systems as sy
 from benchmarks import workloads as wl
+from benchmarks.experiments import arms
 
 UNCAPPED, CAPPED = "pallas_prefill_mosaic", "pallas_prefill_softcap"
 
 
 def run_workload(kind, workload, args):
-  """The workload's arms, checked, then timed in turns; a row each."""
-  problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
-  flops = sy.useful_flops(problems[0])
-  rows, held = [], []
-  for system in args.systems:
-    for e in args.eighths:
-      prepared = sy.prepare(system, problems, {"poly_exp2": e})
-      ref = prepared.reference() if prepared.reference else sy.reference(problems[0])
-      err = run.rel_err(prepared.to_packed(prepared.fn(*prepared.arg_sets[0])), ref)
-      rows.append(dict(kernel=kind, workload=workload.name, system=system, eighths=e,
-                       err=err, secs=[]))
-      held.append(prepared)
-      print(f"{kind} {workload.name} {system} poly={e}: rel. error {err:.2e}", flush=True)
-  for _ in range(args.rounds):
-    for row, prepared in zip(rows, held):
-      time.sleep(args.rest)
-      row["secs"].append(run.bench_jax(prepared.fn, prepared.arg_sets))
+  """The workload's arms, checked, then timed in turns (``arms.run_workload``); a row
+  each, with its ``eighths``."""
+  options = {f"poly={e}": {"poly_exp2": e} for e in args.eighths}
+  rows = arms.run_workload(kind, workload, options, args)
   for row in rows:
-    row["tflops"] = flops / statistics.median(row["secs"]) / 1e12
+    row["eighths"] = options[row["arm"]]["poly_exp2"]
   return rows
 
 
