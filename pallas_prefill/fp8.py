@@ -94,7 +94,16 @@ def absmax_scale(x, groups=None, dtype=jnp.float8_e4m3fn):
   magnitude over the dtype's largest value (1 for an all-zero group)."""
   groups = x.shape[1] if groups is None else groups
   top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
-  return jnp.where(top > 0, top / FP8_MAX[jnp.dtype(dtype)], 1.0).astype(jnp.float32)
+  return scale_for_absmax(top, dtype)
+
+
+def scale_for_absmax(top, dtype=jnp.float8_e4m3fn):
+  """The dequantization scale (float32, top's shape) that puts values of largest magnitude
+  ``top`` (float32, >= 0) at the dtype's largest value: top / FP8_MAX, at least float32's
+  smallest normal (a GPU flushes a subnormal scale to zero, and x / 0 is no FP8 value);
+  1 where top is 0."""
+  scale = jnp.maximum(top / FP8_MAX[jnp.dtype(dtype)], jnp.finfo(jnp.float32).tiny)
+  return jnp.where(top > 0, scale, 1.0).astype(jnp.float32)
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn):
