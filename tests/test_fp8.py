@@ -1,7 +1,9 @@
-"""FP8 inputs (issue 24, work in progress: the Triton backend's dequantizing path) in
-``mha_prefill``, ``mla_prefill``, paged caches (``write_kv`` included) and
-``dot_product_attention``: against the float32 reference of the dequantized inputs in
-interpret mode (and compiled, ``gpu``-marked), the lowering for an H200, and the errors."""
+"""FP8 inputs (issue 24) in ``mha_prefill``, ``mla_prefill``, paged caches (``write_kv``
+included) and ``dot_product_attention``: against the float32 reference of the
+dequantized inputs in interpret mode (the Triton kernel) and compiled (``gpu``-marked);
+Mosaic GPU's FP8 operands (q quantized, pages gathered, V^T, scales) on the CPU into a
+NumPy model of its kernel (``fp8_kernel_model``); the lowering for an H200, and the
+errors."""
 
 from __future__ import annotations
 
