@@ -124,7 +124,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
       keyless_units=config.options.keyless_units,
       poly_exp2=config.options.poly_exp2,
-      kv_unit=L.kv_unit(prepare.kv_align(config, fp8)))
+      kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call
