@@ -116,8 +116,7 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
         default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
         v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
-                                         return_lse, mosaic_config, q_dtype=q_dtype,
-                                         paged=paged is not None)
+                                         return_lse, mosaic_config, q_dtype=q_dtype)
   if backend == "mosaic_gpu" or isinstance(config, MosaicConfig):
     # (validation refused interpret mode)
     if reason is not None:

@@ -4,7 +4,8 @@ columns, one ``k_scale`` for k_nope and k_rope), ``dot_product_attention`` and p
 caches. The real values are the FP8 values times their scales; a scale is a float32
 scalar, ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` (FlashAttention-3's descale
 shape; a query head uses its K/V head's). Q may instead be bf16/f16 over FP8 K/V (an FP8
-KV cache); it then needs no scale.
+KV cache); it then needs no scale (the Mosaic GPU backend quantizes it to e4m3 itself,
+``mosaic_gpu.operands.quantized_q``).
 
 ``scales`` turns the three arguments into the two ``[batch, num_kv_heads]`` float32
 arrays the kernels read: the logits' factor ``q_scale * k_scale`` (which multiplies the
@@ -94,7 +95,16 @@ def absmax_scale(x, groups=None, dtype=jnp.float8_e4m3fn):
   magnitude over the dtype's largest value (1 for an all-zero group)."""
   groups = x.shape[1] if groups is None else groups
   top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
-  return jnp.where(top > 0, top / FP8_MAX[jnp.dtype(dtype)], 1.0).astype(jnp.float32)
+  return scale_for_absmax(top, dtype)
+
+
+def scale_for_absmax(top, dtype=jnp.float8_e4m3fn):
+  """The dequantization scale (float32, top's shape) that puts values of largest magnitude
+  ``top`` (float32, >= 0) at the dtype's largest value: top / FP8_MAX, at least float32's
+  smallest normal (a GPU flushes a subnormal scale to zero, and x / 0 is no FP8 value);
+  1 where top is 0."""
+  scale = jnp.maximum(top / FP8_MAX[jnp.dtype(dtype)], jnp.finfo(jnp.float32).tiny)
+  return jnp.where(top > 0, scale, 1.0).astype(jnp.float32)
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn):

@@ -49,13 +49,18 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       ``cap * tanh(logits / cap)`` before the mask (Gemma 2, Grok); the LSE is of the
       capped logits.
     q_scale, k_scale, v_scale: FP8 inputs' dequantization scales (issue 24;
-      ``pallas_prefill.fp8``): with float8_e4m3fn / float8_e5m2 k and v (and q,
-      or a bf16/f16 q used as given, which takes no q_scale), float32 scalars,
+      ``pallas_prefill.fp8``): with float8_e4m3fn / float8_e5m2 k and v (and q, or a
+      bf16/f16 q, which takes no q_scale: an FP8 KV cache), float32 scalars,
       [num_kv_heads] or [batch, num_kv_heads]; the real values are the FP8 values times
       their scales (a query head takes its K/V head's). The output defaults to bfloat16
-      for an FP8 q. On Hopper ``auto`` runs e4m3 Q, K and V (contiguous K/V) on Mosaic
-      GPU as FP8 matrix products; e5m2, a bf16/f16 q and FP8 pages on Triton, the tiles
-      widened to 16 bits in the kernel.
+      for an FP8 q. What runs where: on Hopper ``auto`` runs e4m3 k and v on Mosaic GPU
+      as FP8 matrix products (FP8 pages gathered into contiguous K/V first). A bf16/f16
+      q is quantized to e4m3 there by the call: per (sequence, K/V head), divided by the
+      largest finite |q| over the sequence's rows and the K/V head's query heads over
+      448 (1 where that is 0), a scale the logits are then multiplied by; this costs
+      about 2e-2 relative error against q as given on normal data, 5e-2 with outlier
+      channels (large logits), where the Triton kernel (``backend="triton"``) uses q as
+      given. e5m2 runs on Triton, its tiles widened to 16 bits in the kernel.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
       denominator gains exp(sink - max); the sink contributes no value.
     output_dtype: dtype of the output; default q.dtype.
@@ -73,8 +78,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       ``shard_map`` or a mesh of several, or inputs sharded over several: the Mosaic GPU
       kernel has not run on more than one GPU yet, so tensor-parallel calls get the Triton
       kernel unless they ask for "mosaic_gpu"). "triton": the Pallas Triton kernel, any
-      NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16,
-      depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
+      NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16
+      and e4m3 K/V, depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
       NotImplementedError says why a call it cannot serve is refused. A ``MhaConfig`` with "auto" picks
       Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
       and the handling of garbage offsets.

@@ -528,6 +528,48 @@ def test_fp8_systems_run_beside_bf16_and_are_checked_against_the_dequantized_inp
       tmp_path / "results.md").read_text()
 
 
+def test_fp8_systems_run_on_paged_workloads(monkeypatch, tmp_path):
+  """pallas_prefill_fp8 on a paged workload (MHA and MLA ``tiny_paged``, interpret mode)
+  runs on its FP8 pages, correct within FP8_TOLERANCE beside the bf16 row."""
+  monkeypatch.setattr(run, "bench_jax", _call_once)
+  run.main(["--kernels", "mha", "mla", "--workloads", "tiny_paged", "--systems",
+            "pallas_prefill_default", "pallas_prefill_fp8", "--out", str(tmp_path)])
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  got = {(r["kernel"], r["system"]): r for r in rows}
+  assert set(got) == {(k, s) for k in ("mha", "mla")
+                      for s in ("pallas_prefill_default", "pallas_prefill_fp8")}
+  for kind in ("mha", "mla"):
+    fp8_row = got[kind, "pallas_prefill_fp8"]
+    assert fp8_row["correct"] and fp8_row["relerr"] < sy.FP8_TOLERANCE, fp8_row
+  problem = sy.make_problem("mha", wl.WORKLOADS["tiny_paged"], 0)
+  prepared = sy.prepare("pallas_prefill_fp8", [problem])
+  kv = prepared.arg_sets[0][1]
+  assert all(isinstance(x, pp.PagedKV) and x.dtype == jnp.float8_e4m3fn for x in kv)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_paged_workload_runs_mosaic_gpu_on_an_h200(kind):
+  """The FP8 chunked paged workload (``chunked8x512_page64``, issue 24's "at least 1.4x
+  our bf16 paged"): the call pallas_prefill_fp8 times (its problem quantized by
+  ``quantize_problem``, "auto"), lowered for an H200, runs Mosaic GPU on the FP8 pages.
+  (The system's own jitted call picks interpret mode on the CPU.)"""
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  workload = wl.WORKLOADS["chunked8x512_page64"]
+  quantized = sy.quantize_problem(sy.make_problem(kind, workload, 0))
+  p8 = quantized.problem
+  kernel = pp.mha_prefill if kind == "mha" else pp.mla_prefill
+
+  def fn(q, kv, q_off, scales):
+    return kernel(q, *kv, q_off, max_prompt_len=workload.max_len, mask=workload.mask,
+                  interpret=False, **scales)
+
+  args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      (p8.q, p8.paged, p8.q_offsets, quantized.scales))
+  assert {x.dtype for x in args[1]} == {jnp.dtype(sy.FP8_DTYPE)}
+  text = lower_for_h200(fn, *args).as_text()
+  assert "custom_call @mosaic_gpu" in text and "xla.gpu.triton" not in text
+
+
 def test_fp8_on_mla_is_not_run_where_mla_prefill_refuses_it(monkeypatch):
   """Where ``mla_prefill`` refuses FP8 inputs, pallas_prefill_fp8 on MLA is not run (with
   the reason), not a failure; on MHA the same error is one."""

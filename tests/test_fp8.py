@@ -1,12 +1,15 @@
-"""FP8 inputs (issue 24, work in progress: the Triton backend's dequantizing path) in
-``mha_prefill``, ``mla_prefill``, paged caches (``write_kv`` included) and
-``dot_product_attention``: against the float32 reference of the dequantized inputs in
-interpret mode (and compiled, ``gpu``-marked), the lowering for an H200, and the errors."""
+"""FP8 inputs (issue 24) in ``mha_prefill``, ``mla_prefill``, paged caches (``write_kv``
+included) and ``dot_product_attention``: against the float32 reference of the
+dequantized inputs in interpret mode (the Triton kernel) and compiled (``gpu``-marked);
+Mosaic GPU's FP8 operands (q quantized, pages gathered, V^T, scales) on the CPU into a
+NumPy model of its kernel (``fp8_kernel_model``); the lowering for an H200, and the
+errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +17,9 @@ import numpy as np
 import pytest
 
 import pallas_prefill as pp
-from pallas_prefill import fp8, masks
-from pallas_prefill.constants import EMPTY_ROW_LSE
+from pallas_prefill import fp8, logits, masks, mosaic_gpu, partitioning
+from pallas_prefill.mosaic_gpu import layout, operands
+from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from tests import cases
 from tests import test_padded
 
@@ -168,21 +172,81 @@ def _expected_dtype(q_dtype):
   return jnp.dtype(jnp.bfloat16) if fp8.is_fp8(q_dtype) else jnp.dtype(q_dtype)
 
 
-def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None):
+# A bf16/f16 q over FP8 K/V on Mosaic GPU is quantized to e4m3 by the call: against the
+# reference of the q it quantized, TOLERANCE; against the reference of q as given, this
+# (quantizing q costs about 2e-2 on normal data, 5e-2 with outlier channels, whose large
+# logits its rounding moves the most: NumPy model of the kernel, fp8_kernel_model).
+Q8_TOLERANCE = 1e-1
+
+
+def q_as_quantized(q, groups, kv_heads):
+  """q [rows, heads, depth] (bf16/f16) as a Mosaic GPU call passes it to the FP8 kernel
+  (``operands.quantized_q``), in NumPy: the rows of each group (``groups``: each row's
+  sequence, -1 for rows of none, left as they are) divided by the absmax of the group
+  and K/V head over 448, rounded to e4m3 and multiplied back, in q's dtype."""
+  x = np.asarray(q, np.float32).reshape(q.shape[0], kv_heads, -1)
+  out = x.copy()
+  for g in np.unique(groups[groups >= 0]):
+    rows = groups == g
+    top = np.abs(x[rows]).max(axis=(0, 2))
+    scale = np.where(top > 0, top / np.float32(448), 1)[None, :, None]
+    out[rows] = np.asarray(jnp.asarray(x[rows] / scale).astype(E4), np.float32) * scale
+  return jnp.asarray(out.reshape(q.shape), q.dtype)
+
+
+def ragged_groups(offsets, rows):
+  """Each of `rows` query rows' sequence under [batch + 1] offsets as the kernel reads
+  them (``_q_ranges_np``), -1 past the last."""
+  _, ends = _q_ranges_np(offsets, rows)
+  seq = np.searchsorted(ends, np.arange(rows), side="right")
+  return np.where(seq < len(ends), seq, -1)
+
+
+def references(reference, call, args, kw, groups, kv_heads, *, interpret, q_quantized):
+  """The reference outputs a call (``call()``, q = args[0]) is checked against: of q as
+  the call passes it to its kernel, and (None unless it quantizes q) of q as given.
+  ``q_quantized``: whether the call quantizes a bf16/f16 q (None: it does where it is
+  compiled for Mosaic GPU, read from its lowering)."""
+  q = args[0]
+  if fp8.is_fp8(q.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    q_quantized = False
+  elif q_quantized is None:
+    q_quantized = not interpret and (
+        "custom_call @mosaic_gpu" in jax.jit(call).lower().as_text())
+  if not q_quantized:
+    return reference(*args, **kw), None
+  flat = q.reshape(-1, *q.shape[-2:])
+  q8 = q_as_quantized(flat, groups, kv_heads).reshape(q.shape)
+  return reference(q8, *args[1:], **kw), reference(*args, **kw)
+
+
+def check_q_as_given(out32, given, tag):
+  """Where the call quantized q: the output against the reference of q as given."""
+  if given is not None:
+    err = cases.rel_err(out32, given[0] if isinstance(given, tuple) else given)
+    assert err < Q8_TOLERANCE, f"relative error {err:.2e} against q as given: {tag}"
+
+
+def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None, backend="auto",
+                   q_quantized=None):
   """The case on fresh random inputs against the reference of the same FP8 values: the
   output dtype, no NaN (so every row was written), the error, zeros past the last
-  offset, and the LSE (the kernel with `config` where given). Returns the relative
-  error."""
+  offset, and the LSE (the kernel with `config` where given, on `backend`). A bf16/f16 q
+  that the call quantizes (``references``) is checked against the reference of the q it
+  quantized, and against q's within Q8_TOLERANCE. Returns the relative error."""
   seed = cases.fresh_seed()
   tag = f"{case.name} seed={seed}"
   args, kw, last = _inputs(case, seed)
   kernel, reference = cases.ENTRY_POINTS[case.kind]
-  expected = reference(*args, **kw)
-  if config is not None:
-    kernel = functools.partial(kernel, config=config)
+  kernel = functools.partial(kernel, backend=backend, interpret=interpret,
+                             **({} if config is None else dict(config=config)))
+  expected, given = references(
+      reference, functools.partial(kernel, *args, **kw), args, kw,
+      ragged_groups(np.asarray(args[-1]), args[0].shape[0]), case.kv_heads,
+      interpret=interpret, q_quantized=q_quantized)
   if poison is not None:
     poison()
-  result = kernel(*args, interpret=interpret, **kw)
+  result = kernel(*args, **kw)
   out, lse = result if case.lse else (result, None)
   ref_out, ref_lse = expected if case.lse else (expected, None)
   out32 = np.asarray(out, np.float32)
@@ -190,6 +254,7 @@ def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None):
   assert np.isfinite(out32).all(), tag
   err = cases.rel_err(out32, ref_out)
   assert err < TOLERANCE, f"relative error {err:.2e}: {tag}"
+  check_q_as_given(out32, given, tag)
   assert not out32[last:].any(), tag
   if lse is not None:
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-2, atol=5e-2,
@@ -205,15 +270,18 @@ def test_fp8_matches_the_dequantized_reference(case):
 # ---------------------------------------------------------------------------------------
 # A paged FP8 cache: write_kv writes FP8 rows into FP8 pages, then the prefill over it.
 
-def check_write_kv_then_prefill(kind, *, interpret, poison=None):
+def check_write_kv_then_prefill(kind, *, interpret, poison=None, page_size=16, q_dtype=None,
+                                backend="auto", config=None, q_quantized=None):
   """The serving flow on an FP8 cache: cached FP8 pages, the new FP8 rows written by
   ``write_kv`` over NaN (every slot they take must be written; the slots past each
-  sequence's keys stay NaN, never to be read), the prefill over the pages, against the
-  reference of the same pages. Returns the relative error."""
+  sequence's keys stay NaN, never to be read), the prefill over the pages (an FP8 q, or
+  a `q_dtype` one over the FP8 cache), against the reference of the same pages. Returns
+  the relative error."""
   seed = cases.fresh_seed()
   rng = np.random.default_rng(seed)
-  page_size, heads, kv_heads = 16, 4, 2
-  cache, lens = np.array([30, 0, 7]), np.array([9, 20, 1])
+  heads, kv_heads = 4, 2
+  cache = np.array([30, 0, 7]) * (page_size // 16)  # the first sequence over 2+ pages
+  lens = np.array([9, 20, 1])
   table = np.array([[0, 3, 6], [1, 4, 7], [2, 5, 8]], np.int32)
   offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
   cache_lengths = jnp.asarray(cache, jnp.int32)
@@ -244,18 +312,29 @@ def check_write_kv_then_prefill(kind, *, interpret, poison=None):
                                   np.asarray(new)[:total].view(np.uint8))
     paged.append(pp.PagedKV(written, jnp.asarray(table), cache_lengths))
   q_depth = sum(d for _, d in depths[:-1])
-  q = quantized(normal(total, heads, q_depth), unit, np.zeros(total, int), kv_heads, E4)
-  kw = dict(max_prompt_len=32, return_lse=True, q_scale=jnp.asarray(unit),
-            k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+  kw = dict(max_prompt_len=32, return_lse=True, k_scale=jnp.asarray(k_scale),
+            v_scale=jnp.asarray(v_scale))
+  if q_dtype is None:
+    q = quantized(normal(total, heads, q_depth), unit, np.zeros(total, int), kv_heads, E4)
+    kw["q_scale"] = jnp.asarray(unit)
+  else:
+    q = jnp.asarray(normal(total, heads, q_depth), q_dtype)
   kernel, reference = cases.ENTRY_POINTS[kind]
-  expected, ref_lse = reference(q, *paged, offsets, **kw)
+  kernel = functools.partial(kernel, interpret=interpret, backend=backend,
+                             **({} if config is None else dict(config=config)))
+  args = (q, *paged, offsets)
+  (expected, ref_lse), given = references(
+      reference, functools.partial(kernel, *args, **kw), args, kw,
+      ragged_groups(np.asarray(offsets), total), kv_heads, interpret=interpret,
+      q_quantized=q_quantized)
   if poison is not None:
     poison()
-  out, lse = kernel(q, *paged, offsets, interpret=interpret, **kw)
+  out, lse = kernel(*args, **kw)
   out32 = np.asarray(out, np.float32)
-  assert out.dtype == jnp.bfloat16 and np.isfinite(out32).all(), f"seed={seed}"
+  assert out.dtype == _expected_dtype(q.dtype) and np.isfinite(out32).all(), f"seed={seed}"
   err = cases.rel_err(out32, expected)
   assert err < TOLERANCE, f"{kind} relative error {err:.2e}, seed={seed}"
+  check_q_as_given(out32, given, f"{kind} seed={seed}")
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-2, atol=5e-2)
   return err
 
@@ -292,7 +371,8 @@ DPA_CASES = [  # (the padded case, in float32 before quantization; K/V dtype, q'
 ]
 
 
-def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=None):
+def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=None,
+                     backend="auto", config=None, q_quantized=None):
   """``dot_product_attention`` on FP8 inputs whose padding rows hold NaN (which Triton
   never reads) against the reference of the clean FP8 values; padding rows must be
   zeros (LSE -1e30). Returns the relative error."""
@@ -314,10 +394,15 @@ def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=Non
     for src, dst in ((d, dirty_in), (c, clean_in)):
       dst.append(quantized(flat(src), scale, seq(src), case.kv_heads, dtype).reshape(
           src.shape))
-  expected = pp.reference.dot_product_attention_reference(*clean_in, **kw)
+  call = functools.partial(pp.dot_product_attention, *dirty_in, interpret=interpret,
+                           backend=backend, config=config, **kw)
+  expected, given = references(
+      pp.reference.dot_product_attention_reference, call, clean_in, kw,
+      padded_groups(case, q_real), case.kv_heads, interpret=interpret,
+      q_quantized=q_quantized)
   if poison is not None:
     poison()
-  result = pp.dot_product_attention(*dirty_in, interpret=interpret, **kw)
+  result = call()
   out, lse = result if case.lse else (result, None)
   ref_out, ref_lse = expected if case.lse else (expected, None)
   out32 = np.asarray(out, np.float32)
@@ -326,11 +411,26 @@ def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=Non
   assert not out32[~q_real].any(), f"padding rows not zero: {tag}"
   err = cases.rel_err(out32, ref_out)
   assert err < TOLERANCE, f"relative error {err:.2e}: {tag}"
+  check_q_as_given(out32, given, tag)
   if lse is not None:
     lse = np.asarray(lse)
     assert (lse[~q_real] == EMPTY_ROW_LSE).all(), tag
     np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-2, atol=5e-2, err_msg=tag)
   return err
+
+
+def padded_groups(case, q_real):
+  """Each query row's sequence in a padded case's [batch * T] rows: a batch row's first
+  q_len rows, or each of its segment runs (``test_padded._runs``); -1 for padding."""
+  groups = np.full(q_real.shape, -1)
+  if case.segments is None:
+    groups[q_real] = np.nonzero(q_real)[0]
+  else:
+    runs = test_padded._runs(np.asarray(case.segments, np.int32), case.padding_id)  # pylint: disable=protected-access
+    for row, row_runs in enumerate(runs):
+      for k, (start, n) in enumerate(row_runs):
+        groups[row, start:start + n] = row * q_real.shape[1] + k
+  return groups.reshape(-1)
 
 
 @pytest.mark.parametrize("case,dtype,q_dtype,scale_shape", DPA_CASES,
@@ -340,16 +440,255 @@ def test_fp8_padded_matches_the_dequantized_reference(case, dtype, q_dtype, scal
 
 
 # ---------------------------------------------------------------------------------------
-# Lowering for an H200 of the Triton kernel's FP8 calls, and "auto" on a call Mosaic GPU
-# refuses (a paged FP8 cache under a bf16 q), which then lowers the Triton kernel.
+# Mosaic GPU over an FP8 KV cache with a bf16/f16 q: the call quantizes q to e4m3 per
+# (sequence, K/V head) (``operands.quantized_q``), which the tests check against NumPy.
+
+def _q_ranges_np(offsets, total_q):
+  """The sequences' query rows as the kernel reads any offsets: clamped to [0, total_q]
+  and chained (``work_list.q_ranges``)."""
+  off = np.clip(np.asarray(offsets).astype(np.int64), 0, total_q)
+  ends = np.maximum.accumulate(off[1:])
+  return np.concatenate([[0], ends[:-1]]), ends
+
+
+def _absmax_scales_np(q, starts, ends, kv_heads):
+  """NumPy's per-(sequence, K/V head) e4m3 scales of q [rows, heads, depth] (finite
+  values only), [len(starts), kv_heads] float32: 1 where a sequence has no rows or only
+  zeros."""
+  a = np.abs(np.asarray(q, np.float32)).reshape(q.shape[0], kv_heads, -1)
+  a = np.where(np.isfinite(a), a, 0)
+  scales = np.ones((len(starts), kv_heads), np.float32)
+  for b, (s, e) in enumerate(zip(starts, ends)):
+    top = a[s:e].max(axis=(0, 2)) if e > s else np.zeros(kv_heads, np.float32)
+    scales[b] = np.where(top > 0, top / np.float32(448), 1)
+  return scales
+
+
+def _check_e4m3_rounding(q8, scale, q, tag):
+  """q8 (e4m3) times its rows' scale [rows, kv_heads] is q [rows, heads, depth] within
+  e4m3's rounding: 2**-4 relative for normals, half the smallest subnormal (2**-10 in
+  scaled units) below."""
+  rows, heads = q.shape[:2]
+  kv_heads = scale.shape[1]
+  s = np.repeat(scale, heads // kv_heads, axis=1)[:, :, None].astype(np.float64)
+  q64 = np.asarray(q, np.float64)
+  got = np.asarray(q8.astype(jnp.float32), np.float64) * s
+  bound = np.maximum(np.abs(q64) * 2.0**-4, s * 2.0**-10) * (1 + 1e-5)
+  assert (np.abs(got - q64) <= bound).all(), tag
+
+
+QUANTIZED_Q_OFFSETS = [  # [batch + 1] offsets over `rows` rows; jit may see any of them
+    ([0, 0, 37, 100, 101, 150], 160, "int32"),  # an empty sequence, rows past the last
+    ([0, 64, 64, 200], 200, "int32"),
+    ([5, 90, 30, 400, -7, 120], 150, "int32"),  # not monotone, out of range both ways
+    ([0, 2**31 - 1, 3], 40, "int32"),
+    ([0, 3_000_000_000, 17, 20], 40, "uint32"),  # negative as int32
+]
+
+
+@pytest.mark.parametrize("offsets,rows,dtype", QUANTIZED_Q_OFFSETS,
+                         ids=lambda x: str(x)[:24])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_quantized_q_scales_each_sequence_and_kv_head(offsets, rows, dtype, kind):
+  """``operands.quantized_q`` under jit with traced offsets, valid and garbage: the
+  scales are NumPy's absmax over each sequence's rows (as the kernel reads the offsets)
+  and K/V head's query heads over 448; rows past the last sequence (1e4 times larger
+  here) change none; every row dequantizes within e4m3's rounding of q, each
+  (sequence, K/V head)'s largest value to exactly 448. MLA: q whole and a zero-padded
+  copy of its rope columns (``dispatch.mosaic_operands``) share the scales."""
+  seed = cases.fresh_seed()
+  rng = np.random.default_rng(seed)
+  heads, kv_heads = 8, 2
+  # Rows of very different magnitudes, so that each sequence's scale is its own.
+  q = rng.standard_normal((rows, heads, 96)) * 10.0 ** rng.uniform(-3, 3, (rows, 1, 1))
+  starts, ends = _q_ranges_np(np.asarray(offsets, dtype).astype(np.int32), rows)
+  q[ends[-1]:] *= 1e4
+  q = jnp.asarray(q, jnp.bfloat16)
+  q_ops = [q[..., :64]] if kind == "mha" else [q, logits.pad_depth(q[..., 64:], 64)]
+  quantize = jax.jit(lambda ops, off: operands.quantized_q(ops, off, kv_heads, E4))
+  q8, scale = quantize(q_ops, jnp.asarray(np.asarray(offsets, dtype)))
+  tag = f"{offsets} seed={seed}"
+  want = _absmax_scales_np(q_ops[0], starts, ends, kv_heads)
+  # (to an ulp: XLA may divide by 448 as a product with its reciprocal)
+  np.testing.assert_allclose(np.asarray(scale), want, rtol=2.5e-7, err_msg=tag)
+  assert all(x.dtype == E4 for x in q8), tag
+  # Each row's scale: its sequence's, or the rows' past the last sequence.
+  tail = _absmax_scales_np(q_ops[0], [ends[-1]], [rows], kv_heads)
+  row_scale = np.concatenate([want, tail])[np.searchsorted(ends, np.arange(rows), "right")]
+  _check_e4m3_rounding(q8[0], row_scale, q_ops[0], tag)
+  top = np.abs(np.asarray(q8[0].astype(jnp.float32))).reshape(rows, kv_heads, -1)
+  for b, (s, e) in enumerate(zip(starts, ends)):
+    if e > s:
+      np.testing.assert_array_equal(top[s:e].max(axis=(0, 2)), 448.0, err_msg=tag)
+  if kind == "mla":
+    np.testing.assert_array_equal(np.asarray(q8[1][..., :32]).view(np.uint8),
+                                  np.asarray(q8[0][..., 64:]).view(np.uint8), err_msg=tag)
+    assert not np.asarray(q8[1][..., 32:].astype(jnp.float32)).any(), tag
+
+
+def test_quantized_q_keeps_non_finite_values_to_their_rows():
+  """A NaN and an inf in one row of sequence 1 (the rows past the last sequence all
+  NaN): every scale is finite, the one of the finite values; that row is not finite, and
+  every other row of the batch is q within e4m3's rounding."""
+  seed = cases.fresh_seed()
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((60, 4, 64)).astype(np.float32)
+  clean = q.copy()
+  q[20, 1, 5], q[20, 0, 7], q[50:] = np.nan, np.inf, np.nan
+  offsets = np.array([0, 10, 30, 50], np.int32)
+  q8, scale = operands.quantized_q([jnp.asarray(q, jnp.float16)], jnp.asarray(offsets), 2, E4)
+  starts, ends = _q_ranges_np(offsets, 60)
+  q[20] = clean[20]  # the scales ignore the non-finite values
+  want = _absmax_scales_np(jnp.asarray(q, jnp.float16), starts, ends, 2)
+  np.testing.assert_allclose(np.asarray(scale), want, rtol=2.5e-7, err_msg=f"seed={seed}")
+  back = np.asarray(q8[0].astype(jnp.float32))
+  assert not np.isfinite(back[20, :2]).all() and not np.isfinite(back[50:]).any()
+  rows = np.r_[0:20, 21:50]
+  _check_e4m3_rounding(q8[0][rows], want[np.searchsorted(ends, rows, "right")],
+                       jnp.asarray(clean[rows], jnp.float16), f"seed={seed}")
+
+
+# ---------------------------------------------------------------------------------------
+# Mosaic GPU's FP8 operands on the CPU: the kernel's own arithmetic needs an H200 (the
+# compiled tests below), but everything the call prepares for it (q quantized, pages
+# gathered, V^T, the scales, the work list's sequences) runs here, into a NumPy model of
+# what the kernel computes from those operands.
+
+def fp8_kernel_model(spec, inputs, out_type):
+  """What the FP8 attention kernel (``spec``: its ``KernelSpec``) computes from its
+  operands, in NumPy float64: for each item that runs (``layout.S_LIVE``), its stored
+  rows [max(row, Q_START), Q_START + Q_LEN) over the keys [KV_START, KV_START + KV_LEN)
+  of its sequence (``layout.SEQ``), the logits the sum of the parts' Q.K products times
+  the softmax scale and the sequence's logit factor, V read from V^T times the
+  sequence's V scale; the LSE in each row's slot of the per-item buffer. Rows no item
+  stores stay zeros."""
+  assert spec.fp8 and spec.soft_cap is None and spec.page_size is None, spec
+  it = iter(inputs)
+  f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
+  table, scalars = np.asarray(next(it)), np.asarray(next(it))
+  sink = f64(next(it)) if spec.has_sink else None
+  q = [f64(next(it)) for _ in range(spec.n_q)]
+  k = [f64(next(it)) for _ in range(spec.n_k)]
+  vt, qk, vs = (f64(next(it)) for _ in range(3))
+  out = np.zeros(out_type[0].shape)
+  lse = np.full(out_type[1].shape, np.nan) if spec.has_lse else None
+  rows, scale = layout.COMPUTE_WGS * spec.block_q, spec.scale / LOG2_E
+  for w in range(int(scalars[layout.S_LIVE])):
+    q_start, q_len, kv_start, kv_len, row8, seq = table[w, [
+        layout.Q_START, layout.Q_LEN, layout.KV_START, layout.KV_LEN, layout.ROW8,
+        layout.SEQ]]
+    seq = min(seq, qk.shape[0] - 1)  # (the rows past the last offset: clamped, keyless)
+    r = np.arange(max(row8 * 8, q_start), q_start + q_len)
+    r = r[r < row8 * 8 + rows]
+    q_pos = (0 if spec.top_left else kv_len - q_len) + r - q_start
+    visible = np.asarray(spec.mask.visible(q_pos[:, None], np.arange(kv_len)[None, :]))
+    keys = slice(kv_start, kv_start + kv_len)
+    for h in range(spec.num_heads):
+      g = h // spec.group
+      s = sum(q[p.q_index][r, h, p.q_col:p.q_col + p.width]
+              @ k[p.k_index][keys, 0 if p.shared_k else g, p.k_col:p.k_col + p.width].T
+              for p in spec.parts) * scale * qk[seq, g]
+      s = np.where(visible, s, -np.inf)
+      m = s.max(axis=1, initial=-np.inf)
+      if sink is not None:
+        m = np.maximum(m, sink[h])
+      m_safe = np.where(np.isfinite(m), m, 0.0)[:, None]
+      p = np.where(visible, np.exp(s - m_safe), 0.0)
+      l = p.sum(axis=1) + (0.0 if sink is None else np.exp(sink[h] - m_safe[:, 0]))
+      seen = l > 0
+      out[r, h] = p @ (vt[g, :, keys].T * vs[seq, g]) / np.where(seen, l, 1.0)[:, None]
+      if lse is not None:
+        lse[h, w * rows + r - row8 * 8] = np.where(
+            seen, m_safe[:, 0] + np.log(np.where(seen, l, 1.0)), EMPTY_ROW_LSE)
+  results = [jnp.asarray(out, out_type[0].dtype)]
+  return results + ([jnp.asarray(lse, jnp.float32)] if lse is not None else [])
+
+
+@pytest.fixture
+def fp8_kernel_modelled(monkeypatch):
+  """The Mosaic GPU FP8 call on the CPU, its attention kernel replaced by
+  ``fp8_kernel_model`` (eager, so that the model sees the operands' values): the config
+  to call with (``MosaicConfig``: Mosaic GPU; no ``work_items`` kernel, no claimed
+  units)."""
+  def kernel(body, *, out_type, **_):
+    return lambda *inputs: fp8_kernel_model(body.keywords["spec"], inputs, out_type)
+
+  monkeypatch.setattr(mosaic_gpu, "plgpu", types.SimpleNamespace(
+      kernel=kernel, CompilerParams=lambda **_: None))
+  # One device's program (the tests' host has several: custom_partitioning would trace)
+  monkeypatch.setattr(partitioning, "_may_partition", lambda: False)
+  with jax.disable_jit():
+    yield pp.MosaicConfig(options=pp.MosaicOptions(dynamic=False, build_work_list=False))
+
+
+_BF16_Q = Fp8Case(q_dtype="bfloat16")
+_PAGED = Fp8Case(kv_lens=(5, 1, 90, 100, 64, 50), scale_shape="batch")
+_MLA_PAGED = dataclasses.replace(_MLA, kv_lens=_MLA_CACHED, scale_shape="batch")
+MOSAIC_FP8_CASES = [  # what Mosaic GPU serves since the FP8 KV cache and pages came
+    _BF16_Q, dataclasses.replace(_BF16_Q, q_dtype="float16", scale_shape="batch"),
+    dataclasses.replace(_BF16_Q, kv_lens=(5, 1, 90, 100, 64, 50), lse=True, sink=True),
+    dataclasses.replace(_BF16_Q, mask=masks.SlidingWindowCausalMask(24), kv_heads=1),
+    dataclasses.replace(_BF16_Q, head_dim=128, outliers=True, mask=masks.NullMask()),
+    dataclasses.replace(_MLA, q_dtype="bfloat16", kv_lens=_MLA_CACHED, lse=True),
+    dataclasses.replace(_MLA, q_dtype="float16", head_dim=48, rope_dim=24,
+                        scale_shape="batch"),  # q in two zero-padded parts
+    # FP8 pages, gathered: under an FP8 q and a bf16 one, small and large pages
+    dataclasses.replace(_PAGED, page_size=16), dataclasses.replace(_PAGED, page_size=64),
+    dataclasses.replace(_PAGED, page_size=128, q_dtype="bfloat16", lse=True),
+    dataclasses.replace(_PAGED, page_size=16, q_dtype="float16",
+                        mask=masks.ChunkedCausalMask(32)),
+    dataclasses.replace(_MLA_PAGED, page_size=16, lse=True),
+    dataclasses.replace(_MLA_PAGED, page_size=64, q_dtype="bfloat16", shared_rope=False),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_FP8_CASES, ids=lambda c: c.name)
+def test_fp8_mosaic_operands_give_the_dequantized_reference(case, fp8_kernel_modelled):
+  check_fp8_case(case, interpret=False, config=fp8_kernel_modelled, q_quantized=True)
+
+
+@pytest.mark.parametrize("q_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_mosaic_operands_after_write_kv(kind, page_size, q_dtype, fp8_kernel_modelled):
+  check_write_kv_then_prefill(kind, interpret=False, page_size=page_size, q_dtype=q_dtype,
+                              config=fp8_kernel_modelled, q_quantized=True)
+
+
+MOSAIC_DPA_CASES = [  # a bf16/f16 query over e4m3 key and value
+    (_PADDED, "float8_e4m3fn", "bfloat16", "batch"),
+    (dataclasses.replace(_SEGMENTS, lse=True), "float8_e4m3fn", "float16", "kv_heads"),
+    (dataclasses.replace(_PADDED, sink=True, lse=True, window=(6, 0)), "float8_e4m3fn",
+     "bfloat16", "scalar"),
+]
+
+
+@pytest.mark.parametrize("case,dtype,q_dtype,scale_shape", MOSAIC_DPA_CASES,
+                         ids=lambda x: getattr(x, "name", str(x)))
+def test_fp8_mosaic_operands_padded(case, dtype, q_dtype, scale_shape, fp8_kernel_modelled):
+  check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False,
+                   config=fp8_kernel_modelled, q_quantized=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering for an H200 of the Triton kernel's FP8 calls, and of what "auto" runs on Mosaic
+# GPU: FP8 pages (gathered), a bf16/f16 q over FP8 K/V (quantized by the call).
 
 S = jax.ShapeDtypeStruct
 
 
-def _lowers_to_triton(fn, *args):
+def _lowers_to(backend, fn, *args):
+  """``fn`` lowered for an H200 calls ``backend``'s kernel ("triton" or "mosaic_gpu")
+  and not the other's; returns the lowered text."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   text = lower_for_h200(fn, *args).as_text()
-  assert "__gpu$xla.gpu.triton" in text and "custom_call @mosaic_gpu" not in text
+  calls = {"triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "custom_call @mosaic_gpu"}
+  assert calls[backend] in text, backend
+  assert all(call not in text for name, call in calls.items() if name != backend), backend
+  return text
+
+
+_lowers_to_triton = functools.partial(_lowers_to, "triton")
 
 
 def test_fp8_lowers_for_an_h200():
@@ -383,17 +722,63 @@ def test_fp8_mla_lowers_for_an_h200(paged):
                     S((4, 16), jnp.float32))
 
 
-@pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_fp8_paged_mha_lowers_for_an_h200(backend):
-  table, cache = S((4, 40), jnp.int32), S((4,), jnp.int32)
-  kv = pp.PagedKV(S((160, 64, 8, 128), E4), table, cache)
+@pytest.mark.parametrize("backend,page_size,q_dtype,expect", [
+    ("triton", 64, jnp.bfloat16, "triton"),
+    # auto: Mosaic GPU on FP8 pages of every size (gathered), under a bf16 or FP8 q
+    ("auto", 64, jnp.bfloat16, "mosaic_gpu"), ("auto", 16, jnp.bfloat16, "mosaic_gpu"),
+    ("auto", 256, E4, "mosaic_gpu"), ("mosaic_gpu", 16, E4, "mosaic_gpu"),
+    ("mosaic_gpu", 128, jnp.float16, "mosaic_gpu"),
+])
+def test_fp8_paged_mha_lowers_for_an_h200(backend, page_size, q_dtype, expect):
+  table, cache = S((4, 40 * 64 // page_size), jnp.int32), S((4,), jnp.int32)
+  kv = pp.PagedKV(S((160 * 64 // page_size, page_size, 8, 128), E4), table, cache)
+  q_scale = {} if q_dtype != E4 else dict(q_scale=jnp.float32(0.5))
 
   def fn(q, k, v, off, ks, vs):
     return pp.mha_prefill(q, k, v, off, max_prompt_len=512, k_scale=ks, v_scale=vs,
-                          interpret=False, backend=backend)
+                          interpret=False, backend=backend, **q_scale)
 
-  _lowers_to_triton(fn, S((2048, 32, 128), jnp.bfloat16), kv, kv, S((5,), jnp.int32),
+  text = _lowers_to(expect, fn, S((2048, 32, 128), q_dtype), kv, kv, S((5,), jnp.int32),
                     S((4, 8), jnp.float32), S((8,), jnp.float32))
+  if expect == "mosaic_gpu":  # the pages gathered into contiguous FP8 K/V
+    assert f"tensor<{4 * 40 * 64}x8x128xf8E4M3FN>" in text
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "mla paged", "padded"])
+def test_fp8_kv_cache_under_a_bf16_q_lowers_to_mosaic_gpu(kind):
+  """A bf16 q over e4m3 K/V (an FP8 KV cache) on an H200: ``auto`` runs Mosaic GPU, its
+  operands the e4m3 q that the call quantized (``operands.quantized_q``)."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  if kind == "mha":
+    def fn(q, k, v, off, ks, vs):
+      return pp.mha_prefill(q, k, v, off, max_prompt_len=512, k_scale=ks, v_scale=vs,
+                            kv_input_row_offsets=off, return_lse=True, interpret=False)
+    args = (S((1000, 8, 128), bf), S((1500, 2, 128), E4), S((1500, 2, 128), E4),
+            S((5,), jnp.int32), S((2,), f32), S((4, 2), f32))
+  elif kind == "padded":
+    def fn(q, k, v, lens, ks, vs):
+      return pp.dot_product_attention(q, k, v, query_seq_lengths=lens, is_causal=True,
+                                      k_scale=ks, v_scale=vs, interpret=False)
+    args = (S((4, 512, 8, 128), bf), S((4, 512, 2, 128), E4), S((4, 512, 2, 128), E4),
+            S((4,), jnp.int32), S((4, 2), f32), S((), f32))
+  else:  # DeepSeek-V3's depths (128 + 64 shared rope, v 128) on 16 heads
+    paged = kind == "mla paged"
+    table, cache = S((4, 40), jnp.int32), S((4,), jnp.int32)
+
+    def kv(heads, depth):
+      if paged:
+        return pp.PagedKV(S((160, 64, heads, depth), E4), table, cache)
+      return S((1500, heads, depth), E4)
+
+    def fn(q, kn, kr, v, off, ks, vs):
+      return pp.mla_prefill(q, kn, kr, v, off, max_prompt_len=512, k_scale=ks,
+                            v_scale=vs, interpret=False,
+                            **({} if paged else dict(kv_input_row_offsets=off)))
+    args = (S((1000, 16, 192), bf), kv(16, 128), kv(1, 64), kv(16, 128),
+            S((5,), jnp.int32), S((16,), f32), S((4, 16), f32))
+  text = _lowers_to("mosaic_gpu", fn, *args)
+  q_rows, heads, depth = args[0].shape[-3:] if kind != "padded" else (2048, 8, 128)
+  assert f"tensor<{q_rows}x{heads}x{depth}xf8E4M3FN>" in text  # q, quantized
 
 
 def test_fp8_padded_lowers_for_an_h200():
@@ -470,7 +855,9 @@ def test_fp8_mixed_kv_dtypes_are_refused():
 def test_fp8_refused_where_mosaic_gpu_does_not_serve_it():
   """Mosaic GPU refuses FP8 it cannot run through ``unsupported_reason`` (``auto`` then
   picks Triton): ``backend="mosaic_gpu"`` and a ``MosaicConfig`` say why, for every entry
-  point (e5m2 inputs, which only the Triton kernel reads)."""
+  point (e5m2 inputs, which only the Triton kernel reads; an e5m2 q over e4m3 K/V). A
+  bf16/f16 q over e4m3 K/V and FP8 pages are served (``test_fp8_paged_mha_lowers_...``,
+  ``test_fp8_kv_cache_under_a_bf16_q_lowers_to_mosaic_gpu``)."""
   e5 = jnp.float8_e5m2
   x = jnp.ones((16, 4, 32), e5)
   off = jnp.asarray([0, 16], jnp.int32)
@@ -486,6 +873,11 @@ def test_fp8_refused_where_mosaic_gpu_does_not_serve_it():
     for kw in (dict(backend="mosaic_gpu"), dict(config=pp.MosaicConfig())):
       with pytest.raises(NotImplementedError, match="cannot run this call: dtype float8_e5m2"):
         call(interpret=False, **scales, **kw)
+  e4 = jnp.ones((16, 2, 32), E4)
+  with pytest.raises(NotImplementedError, match="cannot run this call: q float8_e5m2 over "
+                                                "float8_e4m3fn K/V"):
+    pp.mha_prefill(x, e4, e4, off, max_prompt_len=16, backend="mosaic_gpu",
+                   interpret=False, **scales)
 
 
 # ---------------------------------------------------------------------------------------
@@ -515,3 +907,30 @@ def test_fp8_compiled_write_kv_then_prefill(kind):
 def test_fp8_compiled_padded_matches_the_dequantized_reference(case, dtype, q_dtype,
                                                                scale_shape):
   check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison)
+
+
+# Mosaic GPU on what it serves since FP8 pages and FP8 KV caches under a bf16/f16 q came
+# (``backend="mosaic_gpu"``: the same cases as the CPU's modelled kernel above).
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_FP8_CASES, ids=lambda c: c.name)
+def test_fp8_compiled_mosaic_gpu_kv_cache_and_pages(case):
+  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
+                 q_quantized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_compiled_mosaic_gpu_write_kv_then_prefill(kind, page_size, q_dtype):
+  check_write_kv_then_prefill(kind, interpret=False, poison=_poison, page_size=page_size,
+                              q_dtype=q_dtype, backend="mosaic_gpu", q_quantized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype,q_dtype,scale_shape", MOSAIC_DPA_CASES,
+                         ids=lambda x: getattr(x, "name", str(x)))
+def test_fp8_compiled_mosaic_gpu_padded(case, dtype, q_dtype, scale_shape):
+  check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison,
+                   backend="mosaic_gpu", q_quantized=True)

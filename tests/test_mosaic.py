@@ -734,7 +734,8 @@ def test_refuses_what_it_cannot_serve(dtype, depth, extra, why):
 
 def test_gathered_pages_zero_rows_past_the_keys():
   """Each sequence's region holds its keys in order, from its pages, and zeros after them
-  (stale cache rows may be NaN); page ids past the pages are clamped."""
+  (stale cache rows may be NaN), at the rows it returns; page ids past the pages are
+  clamped."""
   rng = np.random.default_rng(cases.fresh_seed())
   page_size, num_pages, heads = 16, 9, 2
   pages = rng.standard_normal((num_pages, page_size, heads, 8)).astype(np.float32)
@@ -742,10 +743,13 @@ def test_gathered_pages_zero_rows_past_the_keys():
   table = np.array([[3, 0, 10**6], [5, 1, 2], [8, 8, 8]], np.int32)
   cache = np.array([20, 40, 0], np.int32)
   q_off = np.array([0, 5, 10, 10], np.int32)  # new rows 5, 5, 0
-  [got], capacity = operands.gathered_pages([jnp.asarray(pages)], jnp.asarray(table),
-                                          jnp.asarray(cache), jnp.asarray(q_off), 10)
+  [got], (starts, ends) = operands.gathered_pages(
+      [jnp.asarray(pages)], jnp.asarray(table), jnp.asarray(cache), jnp.asarray(q_off), 10)
   got = np.asarray(got)
-  assert capacity == 3 * page_size and got.shape == (3 * capacity, heads, 8)
+  capacity = 3 * page_size
+  assert got.shape == (3 * capacity, heads, 8)
+  np.testing.assert_array_equal(starts, np.arange(3) * capacity)  # the keys' rows
+  np.testing.assert_array_equal(ends, np.arange(3) * capacity + [25, 45, 0])
   for b, kv_len in enumerate([25, 45, 0]):
     region = got[b * capacity:(b + 1) * capacity]
     want = np.concatenate([pages[min(p, num_pages - 1)] for p in table[b]])[:kv_len]

@@ -33,20 +33,19 @@ __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsuppor
 
 
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
-                       *, q_dtype=None, paged=False) -> str | None:
+                       *, q_dtype=None) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
-  need no check in bf16/f16: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in
-  place, smaller ones gathered first (``operands.gathered_pages``). FP8 (``dtype`` K/V's,
-  ``q_dtype`` Q's): e4m3 Q, K and V, not paged."""
+  need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place in
+  bf16/f16, smaller ones and FP8 pages gathered first (``operands.gathered_pages``). FP8
+  (``dtype`` K/V's, ``q_dtype`` Q's): e4m3 K and V under an e4m3 Q, or a bf16/f16 Q that
+  the call quantizes to e4m3 (``operands.quantized_q``)."""
   if is_fp8(dtype):
     if jnp.dtype(dtype) != jnp.dtype(jnp.float8_e4m3fn):
       return (f"dtype {jnp.dtype(dtype).name}: the FP8 kernel takes float8_e4m3fn "
               "(the Triton kernel serves e5m2; 'auto' picks it)")
-    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
-      return (f"q {jnp.dtype(q_dtype).name} over FP8 K/V: the FP8 kernel needs FP8 Q "
-              "(the Triton kernel serves it; 'auto' picks it)")
-    if paged:
-      return "FP8 paged caches run on the Triton kernel for now ('auto' picks it)"
+    if q_dtype is not None and is_fp8(q_dtype) and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+      return (f"q {jnp.dtype(q_dtype).name} over {jnp.dtype(dtype).name} K/V: the FP8 "
+              "kernel takes float8_e4m3fn (the Triton kernel serves it; 'auto' picks it)")
   elif jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
   for w in [p.width for p in parts] + [v_depth]:
@@ -76,28 +75,37 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   None); arguments and results as ``dispatch.ragged_attention``'s (V padded). A paged cache
   (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
   or from ``layout.tile_pages`` consecutive ones, when its pages have
-  ``layout.MIN_NATIVE_PAGE`` rows or more; smaller pages are gathered into contiguous K/V
-  first (``operands.gathered_pages``). Split units need dynamic scheduling
-  (``smem.splits``): without it, the units are shared. FP8 (``scales``: the logits' and
-  V's dequantization factors, each [batch, num_kv_heads] float32): V goes to the kernel
-  transposed, and the factors as they are (``fp8_operands``)."""
+  ``layout.MIN_NATIVE_PAGE`` rows or more; smaller pages, and FP8 pages of any size, are
+  gathered into contiguous K/V first (``operands.gathered_pages``). Split units need
+  dynamic scheduling (``smem.splits``): without it, the units are shared. FP8
+  (``scales``: the logits' and V's dequantization factors, each [batch, num_kv_heads]
+  float32): V goes to the kernel transposed, and the factors as they are
+  (``fp8_operands``); a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale
+  per (sequence, K/V head) multiplied into the logits' factor (``quantized_q``)."""
   total_q, num_heads, _ = q_ops[0].shape
+  num_kv_heads, v_depth = v.shape[-2:]
+  fp8 = is_fp8(v.dtype)
   paged_cache = block_table = page_size = None
   config = dataclasses.replace(config, split_units=splits(config))
   if paged is not None:
     block_table, cache_lengths = paged
     paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
-    if v.shape[1] >= L.MIN_NATIVE_PAGE:
+    if v.shape[1] >= L.MIN_NATIVE_PAGE and not fp8:
       page_size = v.shape[1]
       config = paged_config(config, page_size)
     else:
-      gathered, _ = prepare.gathered_pages([*k_ops, v], block_table, cache_lengths, q_offsets,
-                                   total_q)
+      # (FP8 pages too: its P.V reads V^T, which ``fp8_operands`` makes from contiguous
+      # V; the gathered rows are the sequences' keys for it, as ``paged_cache`` says them
+      # for the work list.)
+      gathered, kv_rows = prepare.gathered_pages([*k_ops, v], block_table, cache_lengths,
+                                                 q_offsets, total_q)
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
-  num_kv_heads, v_depth = v.shape[-2:]
+  if fp8 and not is_fp8(q_ops[0].dtype):
+    q_ops, q_scale = prepare.quantized_q(q_ops, q_offsets, num_kv_heads, v.dtype)
+    scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
   extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales,
-                               block_kv=config.block_kv) if is_fp8(v.dtype) else None
+                               block_kv=config.block_kv) if fp8 else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,

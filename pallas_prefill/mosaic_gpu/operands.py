@@ -12,23 +12,27 @@ they are (only arrays shorter than one tile are padded to one).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
+from pallas_prefill import fp8
 from pallas_prefill.config import MosaicConfig
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import schedule
 from pallas_prefill.mosaic_gpu import work_items
 from pallas_prefill.mosaic_gpu.work_list import (keyed_items, num_work_items, paged_kv_lengths,
-                                                 work_list)
+                                                 q_ranges, work_list)
 
 
 def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
   """Paged K/V operands (each [num_pages, page_size, heads, depth]) gathered into
   contiguous arrays [batch * capacity, heads, depth], capacity = max_pages * page_size:
   sequence b's keys at rows [b * capacity, b * capacity + kv_len[b]), and every row past
-  them zeroed (stale cache rows may hold NaN, and 0 * NaN would reach P.V). Page ids are
-  clamped to the pages there are, as the Triton kernel does. One XLA gather per operand:
-  the whole block table's capacity is copied, whatever the cache lengths."""
+  them zeroed (stale cache rows may hold NaN, and 0 * NaN would reach P.V); and those
+  rows, (kv_starts, kv_ends) [batch] int32 each, as ``kv_rows`` describes them. Page ids
+  are clamped to the pages there are, as the Triton kernel does. One XLA gather per
+  operand: the whole block table's capacity is copied, whatever the cache lengths."""
   num_pages, page_size = pages_ops[0].shape[:2]
   batch, max_pages = block_table.shape
   capacity = max_pages * page_size
@@ -40,7 +44,44 @@ def gathered_pages(pages_ops, block_table, cache_lengths, q_offsets, total_q):
     g = x[ids].reshape((batch * capacity,) + x.shape[2:])
     return jnp.where(keep[:, None, None], g, jnp.zeros((), x.dtype))
 
-  return [gather(x) for x in pages_ops], capacity
+  starts = jnp.arange(batch, dtype=jnp.int32) * capacity
+  return [gather(x) for x in pages_ops], (starts, starts + kv_len)
+
+
+def quantized_q(q_ops, q_offsets, num_kv_heads, dtype):
+  """A bf16/f16 Q quantized for the FP8 kernel (over FP8 K/V: an FP8 KV cache): the Q
+  operands (each [total_q, num_heads, depth_i], the columns of one q: MLA's nope and
+  rope, and any zero-padded copies of them) in ``dtype``, each value divided by its
+  (sequence, K/V head)'s scale; and those scales, [batch, num_kv_heads] float32 (which
+  multiply the logits' factor). A scale is the absmax over the sequence's rows, the K/V
+  head's group of query heads and every operand's columns, over the dtype's largest value
+  (``fp8.scale_for_absmax``: 1 for a sequence without rows or with only zeros).
+
+  Sequences are ``work_list.q_ranges``' (offsets clamped and chained, as the kernel reads
+  them), so garbage offsets under jit index nothing out of range. Rows past the last
+  sequence form a group of their own: they touch no sequence's scale. Non-finite values
+  count for no scale (a NaN row stays a NaN row, as in bf16, and its neighbours keep
+  their precision)."""
+  total_q = q_ops[0].shape[0]
+  batch = q_offsets.shape[0] - 1
+  _, q_end = q_ranges(q_offsets, total_q)
+  # Row r's sequence: how many sequences end at or before it (batch: past them all).
+  ends = jnp.zeros((total_q + 1,), jnp.int32).at[q_end].add(1)
+  seq = jnp.cumsum(ends)[:total_q]
+
+  def grouped(x):  # [total_q, num_kv_heads, (num_heads // num_kv_heads) * depth] float32
+    return x.astype(jnp.float32).reshape(total_q, num_kv_heads, -1)
+
+  def row_absmax(x):
+    a = jnp.abs(grouped(x))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=2)
+
+  top = functools.reduce(jnp.maximum, [row_absmax(x) for x in q_ops])
+  top = jnp.zeros((batch + 1, num_kv_heads), jnp.float32).at[seq].max(top)
+  scale = fp8.scale_for_absmax(top, dtype)
+  per_row = scale[seq][:, :, None]
+  q8 = [(grouped(x) / per_row).reshape(x.shape).astype(dtype) for x in q_ops]
+  return q8, scale[:batch]
 
 
 def padded_rows(rows: int, tile: int) -> int:
