@@ -10,7 +10,9 @@ v, ``--outlier-factor`` times larger, as LLM keys and queries have). Each batch 
 quantized to float8_e4m3fn twice with absmax scales (``systems.quantize_problem``):
 ``per_head`` (K, V one scale per K/V head, Q one per K/V head's group of query heads:
 what ``pallas_prefill_fp8`` passes) and ``per_tensor`` (one scale each: all cuDNN takes).
-Ours (``mha_prefill`` with q_scale/k_scale/v_scale, ``--backend``) runs on both; cuDNN's
+Ours (``mha_prefill`` with q_scale/k_scale/v_scale, ``--backend``) runs on both, and
+per head also with q in bf16 over the FP8 K/V (an FP8 KV cache; Mosaic GPU quantizes
+that q itself, its "dequantized" reference has q as given); cuDNN's
 FP8 attention (``systems.cudnn_fp8_attention``, FP8 output) on the per-tensor inputs,
 where there is a GPU and the lengths are equal (else skipped, and said); and ours on the
 data in bf16, for context. Each output's relative (Frobenius) error is taken against the
@@ -103,21 +105,32 @@ def measure(problem: sy.Problem, backend="auto", interpret=None) -> list[dict]:
     quantized = sy.quantize_problem(problem, per_tensor=quantization == "per_tensor")
     dequantized = quantized.dequantized()
     reference = sy.reference(dequantized)
-    outputs = {}  # system -> (output or the reason it did not run, backend)
-    try:
-      outputs["pallas_prefill"] = ours(quantized.problem, quantized.scales, backend,
-                                       interpret)
-    except (TypeError, ValueError, NotImplementedError) as e:
-      outputs["pallas_prefill"] = f"{type(e).__name__}: {str(e)[:200]}", backend
+    # system -> (output or the reason it did not run, backend, its inputs as the
+    # kernel was given them (the reference of those is "dequantized"))
+    outputs = {}
+    calls = {"pallas_prefill": (quantized.problem, quantized.scales, dequantized)}
+    if quantization == "per_head":
+      # An FP8 KV cache under a bf16 q (which Mosaic GPU quantizes itself)
+      q16 = problem.q.astype(jnp.bfloat16)
+      calls["pallas_prefill bf16 q"] = (
+          dataclasses.replace(quantized.problem, q=q16),
+          {n: x for n, x in quantized.scales.items() if n != "q_scale"},
+          dataclasses.replace(dequantized, q=q16.astype(jnp.float32)))
+    for system, (given, scales, inputs) in calls.items():
+      try:
+        outputs[system] = (*ours(given, scales, backend, interpret), inputs)
+      except (TypeError, ValueError, NotImplementedError) as e:
+        outputs[system] = f"{type(e).__name__}: {str(e)[:200]}", backend, inputs
     if quantization == "per_tensor" and (out := cudnn(quantized)) is not None:
-      outputs["cudnn"] = out, "cudnn"
-    for system, (out, ran) in outputs.items():
+      outputs["cudnn"] = out, "cudnn", dequantized
+    for system, (out, ran, inputs) in outputs.items():
       row = dict(data=data, quantization=quantization, system=system, backend=ran,
-                 inputs_err=_inputs_err(dequantized, problem))
+                 inputs_err=_inputs_err(inputs, problem))
       if isinstance(out, str):
         row["error"] = out
       else:
-        row.update(err_dequantized=run.rel_err(out, reference),
+        ref = reference if inputs is dequantized else sy.reference(inputs)
+        row.update(err_dequantized=run.rel_err(out, ref),
                    err_original=run.rel_err(out, original))
       rows.append(row)
   return rows

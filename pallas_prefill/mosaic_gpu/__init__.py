@@ -95,11 +95,12 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       config = paged_config(config, page_size)
     else:
       # (FP8 pages too: its P.V reads V^T, which ``fp8_operands`` makes from contiguous
-      # V; the gathered rows are the sequences' keys for it, as ``paged_cache`` says them
-      # for the work list.)
-      gathered, kv_rows = prepare.gathered_pages([*k_ops, v], block_table, cache_lengths,
-                                                 q_offsets, total_q)
+      # V, given the gathered rows that are the sequences' keys; the work list reads
+      # them from ``paged_cache``.)
+      gathered, gathered_rows = prepare.gathered_pages([*k_ops, v], block_table,
+                                                       cache_lengths, q_offsets, total_q)
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
+      kv_rows = gathered_rows if fp8 else kv_rows
   if fp8 and not is_fp8(q_ops[0].dtype):
     q_ops, q_scale = prepare.quantized_q(q_ops, q_offsets, num_kv_heads, v.dtype)
     scales = (scales[0] * q_scale, scales[1])
