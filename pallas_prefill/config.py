@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.tuned import TUNED, TUNED_MOSAIC
 
 
@@ -266,13 +267,18 @@ def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   Mosaic GPU can serve: where the tuned table for the device measured Triton faster for
   both short and long prompts (entries whose last field is False), so that the backend,
   and with it a sequence's output bits, does not depend on the batch's longest prompt
-  (``max_prompt_len``, kept for the signature). Never on a paged cache (Mosaic GPU
-  measured 1.36x to 2.0x Triton on every paged workload of the harness, short prompts
-  included: BUILD_NOTES.md). A case the table lacks runs Mosaic GPU."""
+  (``max_prompt_len``, kept for the signature). Never on a bf16/f16 paged cache (Mosaic
+  GPU measured 1.36x to 2.0x Triton on every paged workload of the harness, short
+  prompts included: BUILD_NOTES.md), always on an FP8 one (Mosaic GPU gathers FP8 pages
+  into contiguous K/V first, for V^T: chunked8x512_page64 ran at 0.67x (MHA) and 0.42x
+  (MLA) of Triton's bf16 call, twenty-first session). A case the table lacks runs
+  Mosaic GPU."""
   del max_prompt_len
+  if paged:
+    return is_fp8(dtype)
   tuned = [_tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, n)
            for n in (1, LONG_PROMPT + 1)]
-  return all(t is not None and not t[4] for t in tuned) and not paged
+  return all(t is not None and not t[4] for t in tuned)
 
 
 def default_config(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,

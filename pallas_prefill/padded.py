@@ -30,14 +30,15 @@ from pallas_prefill.constants import EMPTY_ROW_LSE
 LENGTH_DTYPES = (jnp.int32, jnp.uint32)
 
 
-def run_starts(ids, padding_id):
+def run_starts(ids, padding_id, xp=jnp):
   """(real, new_run), each [batch, seq] bool, for segment ids [batch, seq] (concrete or
   traced): which tokens are not ``padding_id`` (None: all), and which of those start a
   run, a maximal stretch of equal ids without padding. The one definition of a run that
-  ``segment_runs``, the concrete checks and the reference share."""
-  real = jnp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
-  prev_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
-  prev_id = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  ``segment_runs``, the concrete checks and the reference share. ``xp``: jnp, or np for
+  concrete ids inside a jit (where jnp would stage them)."""
+  real = xp.ones(ids.shape, bool) if padding_id is None else ids != padding_id
+  prev_real = xp.pad(real[:, :-1], ((0, 0), (1, 0)))
+  prev_id = xp.pad(ids[:, :-1], ((0, 0), (1, 0)))
   return real, real & (~prev_real | (ids != prev_id))
 
 
@@ -154,9 +155,10 @@ def _check_ids(name, ids, batch, size):
 
 
 def _runs_needed(ids, padding_id) -> int:
-  """The most sequences any row of concrete segment ids holds."""
-  _, new_run = run_starts(np.asarray(ids), padding_id)
-  return int(np.asarray(new_run).sum(axis=1).max(initial=0))
+  """The most sequences any row of concrete segment ids holds (counted in NumPy: inside a
+  jit, jnp would stage even concrete ids)."""
+  _, new_run = run_starts(np.asarray(ids), padding_id, xp=np)
+  return int(new_run.sum(axis=1).max(initial=0))
 
 
 def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):

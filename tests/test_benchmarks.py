@@ -548,11 +548,12 @@ def test_fp8_systems_run_on_paged_workloads(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_fp8_paged_workload_runs_mosaic_gpu_on_an_h200(kind):
+def test_fp8_paged_workload_runs_triton_on_an_h200(kind):
   """The FP8 chunked paged workload (``chunked8x512_page64``, issue 24's "at least 1.4x
   our bf16 paged"): the call pallas_prefill_fp8 times (its problem quantized by
-  ``quantize_problem``, "auto"), lowered for an H200, runs Mosaic GPU on the FP8 pages.
-  (The system's own jitted call picks interpret mode on the CPU.)"""
+  ``quantize_problem``, "auto"), lowered for an H200, runs the Triton kernel on the FP8
+  pages (``config.prefers_triton``: Mosaic GPU's gathered pages measured slower). (The
+  system's own jitted call picks interpret mode on the CPU.)"""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   workload = wl.WORKLOADS["chunked8x512_page64"]
   quantized = sy.quantize_problem(sy.make_problem(kind, workload, 0))
@@ -567,7 +568,7 @@ def test_fp8_paged_workload_runs_mosaic_gpu_on_an_h200(kind):
                       (p8.q, p8.paged, p8.q_offsets, quantized.scales))
   assert {x.dtype for x in args[1]} == {jnp.dtype(sy.FP8_DTYPE)}
   text = lower_for_h200(fn, *args).as_text()
-  assert "custom_call @mosaic_gpu" in text and "xla.gpu.triton" not in text
+  assert "custom_call @mosaic_gpu" not in text and "xla.gpu.triton" in text
 
 
 def test_fp8_on_mla_is_not_run_where_mla_prefill_refuses_it(monkeypatch):
@@ -656,7 +657,8 @@ def test_cudnn_fp8_output_is_dequantized_with_its_scale(monkeypatch):
 def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
   """benchmarks.experiments.fp8_accuracy on the CPU at a tiny size, the Triton backend
   named (``auto`` lowers each call once more to say what it picked): ours on bf16,
-  per-head and per-tensor FP8 inputs for normal and outlier data, cuDNN skipped with a
+  per-head and per-tensor FP8 inputs and a bf16 q over per-head FP8 K/V, for normal and
+  outlier data, cuDNN skipped with a
   message; the FP8 errors against the dequantized inputs' reference within FP8_TOLERANCE,
   and the outliers' against the original data far larger than normal data's."""
   from benchmarks.experiments import fp8_accuracy  # pylint: disable=g-import-not-at-top
@@ -667,7 +669,9 @@ def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
   rows = json.loads((tmp_path / "fp8_accuracy.json").read_text())["rows"]
   got = {(r["data"], r["quantization"], r["system"]): r for r in rows}
   assert set(got) == {(d, q, "pallas_prefill") for d in ("normal", "outliers")
-                      for q in ("none (bf16)", "per_head", "per_tensor")}
+                      for q in ("none (bf16)", "per_head", "per_tensor")} | {
+                          (d, "per_head", "pallas_prefill bf16 q")
+                          for d in ("normal", "outliers")}
   for (data, quantization, _), r in got.items():
     assert r["backend"] == "triton"
     if quantization != "none (bf16)":
