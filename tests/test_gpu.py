@@ -441,9 +441,7 @@ _PRODUCER = _options(dataclasses.replace(_KEYLESS, lse=False), keyless_units="pr
     _options(_PRODUCER, dynamic=False),
     _options(_PRODUCER, deal=1, head_major=1),
     _options(_PRODUCER, build_work_list=False),
-    # depth 256 fits 64-row K/V tiles (the default config is cut to them: ``fitted``)
-    dataclasses.replace(_PRODUCER, head_dim=256, kv_heads=2, heads=8,
-                        config=dataclasses.replace(_PRODUCER.config, block_kv=64)),
+    dataclasses.replace(_PRODUCER, head_dim=256, kv_heads=2, heads=8),
     dataclasses.replace(_PRODUCER, sink=False, head_dim_v=64),
     dataclasses.replace(_PRODUCER, mask=masks.SlidingWindowCausalMask(64)),
     dataclasses.replace(_PRODUCER, output_dtype="float32"),
