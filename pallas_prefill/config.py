@@ -48,7 +48,7 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-KEYLESS_UNITS = ("first", "spread", "per_head", "producer")  # ``MosaicOptions.keyless_units``
+KEYLESS_UNITS = ("first", "spread", "per_head")  # ``MosaicOptions.keyless_units``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +83,7 @@ class MosaicOptions:
       the other programs' matrix products instead of ending the call (issue 23,
       ``schedule.unit_of``); "spread": the same units dealt evenly among the others;
       "per_head": a unit per (head, item), after the others, each storing its own zeros
-      (the kernel before the twentieth session); "producer": no units for them: each
-      program's producer warpgroup stores zeros (from a buffer of its own) to its share
-      of their rows, a few between its K/V loads of each unit, so that the stores
-      drain while its compute warpgroups work (twenty-first session). "producer" needs
-      shared units, no LSE and shared memory for the zeros' buffer; otherwise "first"
-      runs (``smem.keyless_mode``).
+      (the kernel before the twentieth session).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the

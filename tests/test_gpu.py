@@ -433,45 +433,6 @@ def test_mosaic_keyless_units(case):
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
 
 
-_PRODUCER = _options(dataclasses.replace(_KEYLESS, lse=False), keyless_units="producer")
-
-
-@pytest.mark.parametrize("case", [
-    _PRODUCER,
-    _options(_PRODUCER, dynamic=False),
-    _options(_PRODUCER, deal=1, head_major=1),
-    _options(_PRODUCER, build_work_list=False),
-    dataclasses.replace(_PRODUCER, head_dim=256, kv_heads=2, heads=8),
-    dataclasses.replace(_PRODUCER, sink=False, head_dim_v=64),
-    dataclasses.replace(_PRODUCER, mask=masks.SlidingWindowCausalMask(64)),
-    dataclasses.replace(_PRODUCER, output_dtype="float32"),
-    _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513),
-                                 extra_rows=600), keyless_units="producer"),
-    _options(dataclasses.replace(_LARGE, page_size=64, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000),
-                                 extra_rows=300), keyless_units="producer"),
-    # with the LSE "producer" runs as "first" (``smem.keyless_mode``)
-    dataclasses.replace(_PRODUCER, lse=True),
-    _options(_split(_PRODUCER), keyless_units="producer"),
-], ids=lambda c: c.name)
-def test_mosaic_producer_zeros(case):
-  """``MosaicOptions(keyless_units="producer")``: key-less items are no units, each
-  program's producer stores its share of their rows' zeros between its K/V loads: every
-  row right (zeros where no key is seen, poisoned memory elsewhere), under the static
-  deal, the dealt order, XLA's work list, depth 256, V depth 64, a window, a float32
-  output, DeepSeek MLA, a paged cache; with the LSE or split units it runs "first"."""
-  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
-
-
-@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"][::3]
-                         + PADDED_GPU_CASES[-5:], ids=lambda c: c.name)
-def test_padded_producer_zeros(case):
-  """The padded cases with ``keyless_units="producer"`` (those with the LSE run
-  "first")."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="producer"))
-  poison_device_memory()
-  test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
-
-
 def _poly(case, eighths):
   return dataclasses.replace(case, config=pp.MosaicConfig(
       options=pp.MosaicOptions(poly_exp2=eighths)))

@@ -125,19 +125,12 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   n_keyed = int(xla_work_list.keyed_items(tiles, np.arange(len(tiles)) < n_live))
   keyless = config.options.keyless_units
-  # ("producer" needs no LSE: ``smem.keyless_mode``; the emulated calls' shared memory
-  # holds its buffer.)
-  producer = keyless == "producer" and not kwargs.get("return_lse")
-  keyless = "first" if keyless == "producer" and not producer else keyless
   apart = keyless != "per_head"
   head_major = schedule.head_major_order(
       tiles, n_keyed if apart else n_live, num_heads=heads,
       group=heads // kv_heads, num_programs=programs)
-  if producer:  # units for the keyed items only; the key-less ones' rows are jobs
-    units = program_units(programs, n_keyed, heads, heads // kv_heads, head_major)
-  else:
-    units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
-                          n_keyed=n_keyed if apart else None, spread=keyless == "spread")
+  units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
+                        n_keyed=n_keyed if apart else None, spread=keyless == "spread")
   # A key-less item's unit (``keyless_units``) runs each head's rows: no tiles, zeros.
   units = [(hh, w) for h, w in units
            for hh in (range(heads) if h == schedule.ALL_HEADS else [h])]
@@ -205,20 +198,12 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       written[row + first:row + first + n_rows, h] += 1
       lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
       lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
-  if producer:  # each program's zero jobs (``kernel.ZeroJobs``)
-    for w, g, h in producer_zero_jobs(programs, int(n_live), n_keyed, heads):
-      t = table[w]
-      row = (t[c("ROW8")] + g * (bq // 8)) * 8
-      first = int(np.clip(t[c("Q_START")] - row, 0, bq))
-      n_rows = int(np.clip(t[c("Q_START")] + t[c("Q_LEN")] - row, 0, bq)) - first
-      out[row + first:row + first + n_rows, h] = 0.0
-      written[row + first:row + first + n_rows, h] += 1
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
   lse = lse_buf[:, lse_slot].T
   last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
                                        total_q))[-1]
   lse[last:] = constants.EMPTY_ROW_LSE  # rows of no sequence, as the wrapper does
-  return out, None if producer else lse  # ("producer": the key-less rows have none)
+  return out, lse
 
 
 EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES
@@ -247,16 +232,13 @@ def test_schedule_matches_reference(case):
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
-@pytest.mark.parametrize("keyless", ["first", "spread", "per_head", "producer"])
+@pytest.mark.parametrize("keyless", ["first", "spread", "per_head"])
 @pytest.mark.parametrize("case", [
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
                config=None),
     cases.Case(kind="mla", lens=(9, 0, 130), kv_lens=(0, 0, 140), heads=2, kv_heads=2,
                head_dim=64, rope_dim=64, lse=True, extra_rows=300, config=None),
-    # no LSE: "producer" stores the key-less rows' zeros from the producer
-    cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
-               heads=4, kv_heads=2, head_dim=64, sink=True, extra_rows=700, config=None),
 ], ids=lambda c: c.name)
 def test_schedule_keyless_placements_match_reference(case, keyless):
   """Many key-less items (queries without keys, rows past the last offset) under each
@@ -269,16 +251,14 @@ def test_schedule_keyless_placements_match_reference(case, keyless):
 
 
 def check_emulated(case, config, args, kwargs, last_row, *, tag):
-  """The emulated kernel against the float64 reference: finite, close, LSE close (where
-  the kernel gives one), and the rows past the last sequence zero."""
+  """The emulated kernel against the float64 reference: finite, close, LSE close, and the
+  rows past the last sequence zero."""
   out, lse = emulate(case, args, kwargs, config)
   _, reference = cases.ENTRY_POINTS[case.kind]
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True, output_dtype=jnp.float32))
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
-  assert lse is not None or not kwargs.get("return_lse"), tag
-  if lse is not None:
-    np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
+  np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
   assert not out[last_row:].any(), tag
 
 
@@ -499,48 +479,6 @@ def test_keyless_items_run_apart_a_unit_each(n_live, n_keyed, heads, group, prog
       tuple(int(x) for x in schedule.unit_head_item(
           jnp.int32(u), num_heads=heads, group=group, n_live=jnp.int32(n_keyed),
           head_major=jnp.int32(head_major))) for u in range(n_keyed * heads)]
-
-
-def producer_zero_jobs(programs, n_live, n_keyed, heads):
-  """Every program's zero-store jobs (``kernel.ZeroJobs``): (item, half, head) each,
-  checked to cover every key-less item's halves and heads once."""
-  num_jobs = (n_live - n_keyed) * layout.COMPUTE_WGS * heads
-  jobs = [tuple(int(x) for x in schedule.zero_job(
-      jnp.int32(p + t * programs), num_heads=heads, n_keyed=jnp.int32(n_keyed),
-      halves=layout.COMPUTE_WGS))
-          for p in range(programs)
-          for t in range(int(schedule.program_zero_jobs(p, programs, num_jobs)))]
-  assert sorted(jobs) == [(w, g, h) for w in range(n_keyed, n_live)
-                          for g in range(layout.COMPUTE_WGS) for h in range(heads)]
-  return jobs
-
-
-@pytest.mark.parametrize("n_live,n_keyed,heads,programs", [
-    (0, 0, 8, 3), (5, 0, 4, 3), (7, 3, 8, 5), (300, 100, 32, 132), (10, 10, 8, 7),
-    (1, 0, 128, 132), (40, 1, 2, 3)])
-@pytest.mark.parametrize("n_units", [0, 1, 7, 3200])
-def test_producer_zero_jobs_each_issued_once(n_live, n_keyed, heads, programs, n_units):
-  """``keyless_units="producer"``: the programs' jobs cover every key-less (item, half,
-  head) once; and ``kernel.ZeroJobs``' issue points (after tile n < per_unit of the
-  k-th unit, the rest of the unit's share after it, what is left after the last unit)
-  issue each of a program's jobs once, however many units it runs and tiles they
-  have."""
-  producer_zero_jobs(programs, n_live, n_keyed, heads)
-  num_jobs = (n_live - n_keyed) * layout.COMPUTE_WGS * heads
-  rng = np.random.default_rng(n_units)
-  for p in range(programs):
-    mine = int(schedule.program_zero_jobs(p, programs, num_jobs))
-    per_unit = int(schedule.zero_jobs_per_unit(jnp.int32(mine), programs, n_units))
-    ran = int(schedule.num_local_units(p, programs, n_units))
-    assert per_unit * max(-(-n_units // programs), 1) >= mine
-    issued = []
-    for k in range(ran):
-      tiles = int(rng.integers(0, 2 * per_unit + 2))
-      issued += [k * per_unit + n for n in range(tiles)
-                 if n < per_unit and k * per_unit + n < mine]
-      issued += list(range(k * per_unit + tiles, min((k + 1) * per_unit, mine)))
-    issued += list(range(ran * per_unit, mine))
-    assert sorted(issued) == list(range(mine)), (p, mine, per_unit, ran)
 
 
 @pytest.mark.parametrize("n_units,programs", [(0, 5), (3, 5), (5, 5), (12, 5), (131, 132),
@@ -1444,34 +1382,6 @@ def test_split_units_lower_for_an_h200(problem):
   adds nothing it can run; the H200 runs them in tests/test_gpu.py."""
   [*_, (threads, _)] = mosaic_launches(problem.lower())
   assert threads == 4 * 128
-
-
-PRODUCER = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="producer"))
-
-
-@pytest.mark.parametrize("problem,mode", [
-    (Lowered(config=PRODUCER), "producer"),
-    (Lowered(config=PRODUCER, sink=True, kv_heads=1, mask=masks.SlidingWindowCausalMask(128)),
-     "producer"),
-    (Lowered(config=dataclasses.replace(PRODUCER, options=dataclasses.replace(
-        PRODUCER.options, dynamic=False))), "producer"),
-    (Lowered(config=PRODUCER, output_dtype="float32", head_dim_v=64), "producer"),
-    (Lowered(config=PRODUCER, dtype="float8_e4m3fn"), "producer"),
-    # MLA's 192 + 128 in 128-row K/V tiles fill shared memory with one output buffer
-    (Lowered(config=PRODUCER, kind="mla", heads=16, kv_heads=16), "first"),
-    (Lowered(config=dataclasses.replace(PRODUCER, block_kv=64), kind="mla", heads=16,
-             kv_heads=16), "producer"),
-    (Lowered(config=PRODUCER, lse=True), "first"),  # the LSE: "first"
-    (Lowered(config=dataclasses.replace(SPLIT, options=PRODUCER.options)), "first"),
-], ids=repr)
-def test_producer_zeros_lower_for_an_h200(problem, mode, monkeypatch):
-  """``keyless_units="producer"`` lowers for an H200 where it runs (``smem.keyless_mode``:
-  shared units, no LSE, room for the zeros' buffer), and runs "first" elsewhere; the
-  producer's zeros' buffer is in the lowered kernel's shared memory exactly then."""
-  spec = _kernel_spec(problem.lower, monkeypatch)
-  assert spec.keyless_units == mode
-  scratch = mosaic_kernel.scratch_for(spec)
-  assert (scratch.zeros is not None) == (mode == "producer")
 
 
 def test_split_units_paged_and_mla_with_the_lse():

@@ -26,8 +26,7 @@ from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
-from pallas_prefill.mosaic_gpu.smem import (fitted, keyless_mode, output_buffers, smem_bytes,
-                                            splits)
+from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
 
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
 
@@ -124,7 +123,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
-      keyless_units=keyless_mode(parts, v_depth, v.dtype, output_dtype, return_lse, config),
+      keyless_units=config.options.keyless_units,
       poly_exp2=config.options.poly_exp2,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)

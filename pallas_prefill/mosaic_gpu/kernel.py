@@ -74,7 +74,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
-from pallas_prefill.mosaic_gpu import primitives, schedule
+from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
 from pallas_prefill.mosaic_gpu.schedule import (ALL_HEADS, dealt_unit, num_local_units,
                                                 num_units, unit_of)
@@ -139,11 +139,6 @@ class KernelSpec:
   def keyless_apart(self) -> bool:
     """Key-less items run as units of their own, for all heads (``schedule.unit_of``)."""
     return self.keyless_units != "per_head"
-
-  @property
-  def producer_zeros(self) -> bool:
-    """Key-less items are no units: the producer stores their zeros (``ZeroJobs``)."""
-    return self.keyless_units == "producer"
 
   @property
   def chunks(self):
@@ -225,8 +220,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       out_dtype=spec.out_dtype, out_buffers=spec.out_buffers, has_lse=spec.has_lse,
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
-      paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      zeros=spec.producer_zeros)
+      paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -266,8 +260,7 @@ class Units:
     n_keyed, n_keyless = n_live, None
     if spec.keyless_apart:
       n_keyed = refs.scalars[L.S_KEYED]
-      # ("producer": the key-less items are no units, ``ZeroJobs`` stores their rows.)
-      n_keyless = None if spec.producer_zeros else n_live - n_keyed
+      n_keyless = n_live - n_keyed
     self.n_units = (num_units(spec.num_heads, n_keyed, n_keyless)
                     * (L.COMPUTE_WGS if spec.split else 1))
     # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
@@ -319,11 +312,10 @@ class Units:
     return u
 
   def for_each_unit(self, run, first, next_unit):
-    """run(hw, base, fetch_next, k) on each of this program's units in turn (its k-th);
-    base counts the K/V tiles earlier units streamed through the slots. first(hw) runs
-    before the loop for the first unit (if any). run calls fetch_next() -> (there is a
-    next unit, its hw) once per unit: with dynamic scheduling, that takes the next
-    claim. Returns how many units this program ran."""
+    """run(hw, base, fetch_next) on each of this program's units in turn; base counts
+    the K/V tiles earlier units streamed through the slots. first(hw) runs before the
+    loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
+    its hw) once per unit: with dynamic scheduling, that takes the next claim."""
     spec = self.spec
     if not spec.dynamic:  # the units the zigzag deals this program (its k-th: units(k))
       units = lambda k: self.by_order(  # noqa: E731
@@ -332,10 +324,10 @@ class Units:
       pl.when(n_local > 0)(lambda: first((*units(0), 0)))
 
       def static_step(k, base):
-        return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)), k)
+        return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)))
 
       lax.fori_loop(0, n_local, static_step, jnp.int32(0))
-      return n_local
+      return
     u0 = next_unit(0)
     pl.when(u0 < self.n_units)(lambda: first(self.claimed(u0)))
 
@@ -347,11 +339,11 @@ class Units:
         got.append(next_unit(k + 1))
         return got[0] < self.n_units, self.claimed(got[0])
 
-      base = run(self.claimed(u), base, fetch_next, k)
+      base = run(self.claimed(u), base, fetch_next)
       return k + 1, base, got[0]
 
-    return lax.while_loop(lambda carry: carry[2] < self.n_units, dynamic_step,
-                          (jnp.int32(0), jnp.int32(0), u0))[0]
+    lax.while_loop(lambda carry: carry[2] < self.n_units, dynamic_step,
+                   (jnp.int32(0), jnp.int32(0), u0))
 
   def slot_of(self, i, base, item_lo):
     """The K/V slot of tile i; base: the tiles this program's (lane's) earlier items
@@ -431,15 +423,6 @@ def first_q_row(meta, half, block_q):
   return (meta(L.ROW8) + half * (block_q // 8)) * 8
 
 
-def half_rows(meta, half, block_q):
-  """An item's half: its first Q row (a multiple of 8) and the rows
-  [first, first + n_rows) of it that are the sequence's (the others are a neighbour's)."""
-  q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
-  row = first_q_row(meta, half, block_q)
-  first = jnp.clip(q_start - row, 0, block_q)
-  return row, first, jnp.clip(q_start + q_len - row, 0, block_q) - first
-
-
 def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units, wg):
   """A compute warpgroup's role: its units' attention, one after another."""
   # Split: four warpgroups, 2 x 224 + 2 x 32 registers a thread (65536 an SM).
@@ -470,8 +453,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     else:
       copies()
 
-  def run(hw, base, fetch_next, k):
-    del k  # (the producer's ``ZeroJobs`` count units)
+  def run(hw, base, fetch_next):
     item = read_item(spec, refs, units, hw, base)
     wait_q = lambda: plgpu.barrier_wait(scratch.q_loaded.at[wg])  # noqa: E731
     if skip_keyless:
@@ -503,7 +485,9 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
   col = lambda j: meta(L.WG_COLS + 4 * half + j)  # noqa: E731
   t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
-  row, first, n_rows = half_rows(meta, half, spec.block_q)
+  row = first_q_row(meta, half, spec.block_q)
+  first = jnp.clip(q_start - row, 0, spec.block_q)  # rows before it: a neighbour's
+  n_rows = jnp.clip(q_start + q_len - row, 0, spec.block_q) - first
   start_pos = 0 if spec.top_left else kv_len - q_len
   row_pos = start_pos + row - q_start  # position of the row `row`
   scales = {}
@@ -713,7 +697,7 @@ def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16):
 def epilogue(spec, refs, item: Item, carry, o_smem, lse_smem):
   """Stores the unit's rows: ``store_unit``, or for a key-less item's unit for all heads
   (``KernelSpec.keyless_apart``) ``store_zeros``."""
-  if not spec.keyless_apart or spec.producer_zeros:  # (no unit for all heads)
+  if not spec.keyless_apart:
     store_unit(spec, refs, item, carry, o_smem, lse_smem)
     return
   pl.when(item.all_heads)(lambda: store_zeros(spec, refs, item, o_smem, lse_smem))
@@ -785,25 +769,19 @@ def store_unit(spec, refs, item: Item, carry, o_smem, lse_smem):
 
 def store_rows(spec, refs, item: Item, o_smem, g, h=None):
   """Row-exact store of rows [first, first + n_rows) of the output buffers (columns
-  from chunk g on) to head h's (the item's head by default)."""
-  store_ladder(refs.o, o_smem, row=item.row, first=item.first, n_rows=item.n_rows,
-               head=item.h if h is None else h, chunk=g, block_q=spec.block_q)
-
-
-def store_ladder(o, bufs, *, row, first, n_rows, head, chunk, block_q):
-  """Rows [first, first + n_rows) of the [block_q, 64] buffers ``bufs`` to output rows
-  [row + first, ...) of `head`, buffer c to the 64 columns of chunk ``chunk + c``: one
-  TMA per set bit of n_rows, so that no store touches a neighbour's rows."""
-  start, size = first, block_q
+  from chunk g on) to head h's (the item's head by default): one TMA per set bit of
+  n_rows, so no store touches a neighbour's rows."""
+  h = item.h if h is None else h
+  start, size = item.first, spec.block_q
   while size >= 1:
-    take = (n_rows & size) != 0
+    take = (item.n_rows & size) != 0
 
     @pl.when(take)
     def _store(start=start, size=size):
-      for c, buf in enumerate(bufs):
+      for c, buf in enumerate(o_smem):
         plgpu.copy_smem_to_gmem(
             buf.at[pl.ds(start, size)],
-            o.at[pl.ds(row + start, size), head, pl.ds((chunk + c) * L.CHUNK, L.CHUNK)])
+            refs.o.at[pl.ds(item.row + start, size), h, pl.ds((g + c) * L.CHUNK, L.CHUNK)])
 
     start = start + jnp.where(take, size, 0)
     size //= 2
@@ -815,13 +793,11 @@ def store_ladder(o, bufs, *, row, first, n_rows, head, chunk, block_q):
 def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units):
   """The producer's role: each unit's K/V tiles into the slots, claiming the next unit
   before it loads this one's tiles (the compute warpgroups then have it when they finish
-  this one); with ``KernelSpec.producer_zeros``, between those loads, its share of the
-  key-less rows' zeros (``ZeroJobs``)."""
-  zero_jobs = ZeroJobs(spec, refs, scratch, units) if spec.producer_zeros else None
+  this one)."""
   plgpu.set_max_registers(32 if spec.split else 40, action="decrease")
   tail8, kv_tail = refs.scalars[L.S_TAIL8], refs.scalars[L.S_KV_TAIL]
 
-  def load_item(hw, base, fetch_next, k):
+  def load_item(hw, base, fetch_next):
     fetch_next()
     h, _, meta, item_lo, item_hi, _ = units.item_of(hw)
     kv_head = lax.div(h, jnp.int32(spec.group))
@@ -841,66 +817,10 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
       load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail,
                    before_v=lambda: pl.when(reuse)(
                        lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot])))
-      if zero_jobs:
-        zero_jobs.after_tile(k, i - item_lo)
 
-    if zero_jobs:
-      zero_jobs.after_unit(k, item_hi - item_lo)
     return base + item_hi - item_lo
 
-  ran = units.for_each_unit(load_item, lambda hw: None, units.publish)
-  if zero_jobs:
-    zero_jobs.after_all(ran)
-    plgpu.wait_smem_to_gmem(0)
-
-
-class ZeroJobs:
-  """The producer's zero stores (``MosaicOptions.keyless_units`` "producer"): the rows of
-  every key-less item, half (a compute warpgroup's rows) and head are one job
-  (``schedule.zero_job``), program p's the jobs p, p + P, ... (``program_zero_jobs``).
-  Each unit it runs takes ``per_unit`` of them (``zero_jobs_per_unit``: spread over the
-  units a program runs on average), one after each of the unit's first tiles' loads and
-  the rest after its last; the jobs left after its last unit follow it. A job is a
-  row-exact ladder of TMA stores (``store_ladder``) from ``Scratch.zeros``, a buffer of
-  zeros that nothing else writes: the stores are never waited for but at the end."""
-
-  def __init__(self, spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units):
-    self.spec, self.refs, self.zeros = spec, refs, scratch.zeros
-    # The zeros, written while the warpgroup still has its registers (before the cut).
-    self.zeros[...] = zero_chunk(spec).astype(spec.out_dtype)
-    plgpu.commit_smem()
-    self.n_keyed = refs.scalars[L.S_KEYED]
-    num_jobs = (refs.scalars[L.S_LIVE] - self.n_keyed) * (L.COMPUTE_WGS * spec.num_heads)
-    self.program, programs = lax.axis_index("cta"), lax.axis_size("cta")
-    self.programs = jnp.int32(programs)
-    self.mine = schedule.program_zero_jobs(self.program, self.programs, num_jobs)
-    self.per_unit = schedule.zero_jobs_per_unit(self.mine, self.programs, units.n_units)
-
-  def store(self, t):
-    """This program's t-th job: its (item, half, head)'s rows, zeros in every column."""
-    spec = self.spec
-    w, half, h = schedule.zero_job(self.program + t * self.programs,
-                                   num_heads=spec.num_heads, n_keyed=self.n_keyed,
-                                   halves=L.COMPUTE_WGS)
-    row, first, n_rows = half_rows(lambda col: self.refs.meta[w, col], half, spec.block_q)
-    store_ladder(self.refs.o, [self.zeros] * (spec.v_depth // L.CHUNK), row=row,
-                 first=first, n_rows=n_rows, head=h, chunk=0, block_q=spec.block_q)
-
-  def stores(self, lo, hi):
-    pl.loop(lo, jnp.minimum(hi, self.mine))(self.store)
-
-  def after_tile(self, k, n):
-    """After the loads of tile n of the program's k-th unit."""
-    t = k * self.per_unit + n
-    pl.when((n < self.per_unit) & (t < self.mine))(lambda: self.store(t))
-
-  def after_unit(self, k, tiles):
-    """After the k-th unit's ``tiles`` tiles: its jobs they did not take."""
-    self.stores(k * self.per_unit + tiles, (k + 1) * self.per_unit)
-
-  def after_all(self, ran):
-    """After the program's ``ran`` units: the jobs left."""
-    self.stores(ran * self.per_unit, self.mine)
+  units.for_each_unit(load_item, lambda hw: None, units.publish)
 
 
 def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail, *,

@@ -101,30 +101,6 @@ def num_units(num_heads, n_keyed, n_keyless):
   return n_keyed * num_heads + (0 if n_keyless is None else n_keyless)
 
 
-def zero_job(job, *, num_heads, n_keyed, halves):
-  """The (item, half, head) of zero-store job `job` (``MosaicOptions.keyless_units``
-  "producer"): the live items' key-less ones, [n_keyed, n_live), have ``halves`` halves
-  (a compute warpgroup's rows each) times ``num_heads`` heads of rows to zero, one job
-  each, heads fastest."""
-  per_item = jnp.int32(halves * num_heads)
-  rest = lax.rem(job, per_item)
-  return (n_keyed + lax.div(job, per_item), lax.div(rest, jnp.int32(num_heads)),
-          lax.rem(rest, jnp.int32(num_heads)))
-
-
-def program_zero_jobs(program, num_programs, num_jobs):
-  """How many of the jobs [0, num_jobs) program `program` stores: jobs program,
-  program + num_programs, ... (its t-th is ``program + t * num_programs``)."""
-  return lax.div(jnp.maximum(num_jobs - program + num_programs - 1, 0), num_programs)
-
-
-def zero_jobs_per_unit(my_jobs, num_programs, n_units):
-  """The zero-store jobs a program issues per unit it runs, so that they are spread over
-  the ceil(n_units / num_programs) units a program runs on average (at least 1 unit)."""
-  expected = jnp.maximum(lax.div(n_units + num_programs - 1, num_programs), 1)
-  return lax.div(my_jobs + expected - 1, expected)
-
-
 def program_loads(unit_costs, num_programs):
   """Each program's summed cost of the units (in order u = 0, 1, ...) it is dealt."""
   rows = -(-unit_costs.shape[0] // num_programs)

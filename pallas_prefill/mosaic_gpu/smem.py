@@ -27,7 +27,7 @@ BARRIER_BYTES = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
-    "q", "k", "v", "p", "o", "lse", "units", "zeros", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
+    "q", "k", "v", "p", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
     "v_consumed", "unit_ready", "unit_used"])
 @dataclasses.dataclass(frozen=True)
 class Scratch:
@@ -46,8 +46,6 @@ class Scratch:
     o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
     lse: [COMPUTE_WGS, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
-    zeros: [block_q, 64] of the output dtype, the producer's zeros for key-less rows
-      (``MosaicOptions.keyless_units`` "producer"), or None.
     q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
       barriers; unit_ready / unit_used: per unit slot, or None.
   """
@@ -59,7 +57,6 @@ class Scratch:
   o: list
   lse: object
   units: object
-  zeros: object
   q_loaded: object
   k_loaded: object
   v_loaded: object
@@ -71,13 +68,11 @@ class Scratch:
 
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
-            pages: int, paged: bool, one_v_copy: bool = False,
-            zeros: bool = False) -> Scratch:
+            pages: int, paged: bool, one_v_copy: bool = False) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
-  ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``zeros``: the
-  producer's buffer of zeros (``keyless_mode`` "producer")."""
+  ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``)."""
   lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -110,7 +105,6 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       o=[plgpu.SMEM((L.COMPUTE_WGS, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
       lse=plgpu.SMEM((L.COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
-      zeros=plgpu.SMEM((block_q, L.CHUNK), out_dtype) if zeros else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
       # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T and
@@ -149,32 +143,23 @@ def splits(config: MosaicConfig) -> bool:
 
 
 def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
-                  out_buffers: int, zeros: bool) -> int:
+                  out_buffers: int) -> int:
   # (Depths that are no multiple of 64, which the kernel refuses, count whole chunks.)
   return allocated_bytes(scratch(
       chunks=len(L.column_chunks(parts)), v_chunks=-(-v_depth // L.CHUNK), dtype=dtype,
       out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
-      split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
-      zeros=zeros))
+      split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
-          config: MosaicConfig) -> tuple[int, int, bool]:
-  """(output buffers, shared memory bytes, the producer's zeros buffer) of the kernel for
-  these operands and tiles: one output buffer per accumulator, or one; with the zeros'
-  buffer where ``keyless_units`` asks for it and it fits (it never costs an output
-  buffer)."""
+          config: MosaicConfig) -> tuple[int, int]:
+  """(output buffers, shared memory bytes) of the kernel for these operands and tiles."""
   full = -(-v_depth // L.CHUNK)
-  want = (config.options.keyless_units == "producer" and not splits(config)
-          and not return_lse)
-  plans = [(n, zeros) for n in (full, 1) for zeros in (True, False) if want or not zeros]
-  for out_buffers, zeros in plans:
-    need = _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config,
-                         out_buffers, zeros)
-    if need <= L.SMEM_BYTES:
-      return out_buffers, need, zeros
-  return 1, need, False
+  need = _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config, full)
+  if need <= L.SMEM_BYTES:
+    return full, need
+  return 1, _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config, 1)
 
 
 def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
@@ -183,19 +168,6 @@ def output_buffers(parts, v_depth, dtype, output_dtype, return_lse,
   shared memory holds no more (MLA's 192 + 128 with 128-row K/V tiles in two stages), one,
   filled and stored a column chunk at a time."""
   return _plan(parts, v_depth, dtype, output_dtype, return_lse, config)[0]
-
-
-def keyless_mode(parts, v_depth, dtype, output_dtype, return_lse,
-                 config: MosaicConfig) -> str:
-  """How the kernel runs key-less items: ``MosaicOptions.keyless_units``, except that
-  "producer" needs shared units, no LSE (a key-less row's LSE is the sink's, which only a
-  compute warpgroup writes) and room for its zeros' buffer beside every output buffer;
-  without them it is "first"."""
-  option = config.options.keyless_units
-  if option != "producer":
-    return option
-  return "producer" if _plan(parts, v_depth, dtype, output_dtype, return_lse,
-                             config)[2] else "first"
 
 
 def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig) -> int:
