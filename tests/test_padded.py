@@ -6,6 +6,7 @@ kernel; and its errors. ``PADDED_CASES`` run compiled on the H200 in ``test_gpu.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -473,3 +474,18 @@ def test_garbage_under_jit_gives_finite_rows():
   out = jax.jit(lambda i: pp.dot_product_attention(
       q, k, v, segment_ids=i, padding_segment_id=0, max_segments=2))(ids)
   assert np.isfinite(np.asarray(out)).all()
+
+
+def test_concrete_segment_ids_inside_a_jit():
+  """Concrete (NumPy) segment ids that a jitted function closes over, ``max_segments``
+  left to the call: their runs are counted in NumPy (jnp would stage them, and the count
+  failed with a TracerArrayConversionError), and the output is the eager call's."""
+  rng = np.random.default_rng(shared.fresh_seed())
+  ids = np.array([[1, 1, 2, 2, 0, 0, 3, 3, 3], [5, 5, 5, 0, 0, 6, 6, 0, 0]], np.int32)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 9, h, 32)), jnp.float32) for h in (4, 2, 2))
+  call = functools.partial(pp.dot_product_attention, segment_ids=ids, padding_segment_id=0,
+                           is_causal=True, interpret=True)
+  eager = np.asarray(call(q, k, v))
+  jitted = np.asarray(jax.jit(call)(q, k, v))
+  np.testing.assert_array_equal(jitted, eager)
+  assert np.abs(eager[ids != 0]).min() > 0 and not eager[ids == 0].any()
