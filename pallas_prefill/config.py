@@ -257,7 +257,7 @@ HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 
 
 def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int,
-                   paged: bool = False) -> bool:
+                   paged: bool = False, q_dtype=None) -> bool:
   """Whether ``backend="auto"`` keeps the Triton kernel on a Hopper GPU for a call that
   Mosaic GPU can serve: where the tuned table for the device measured Triton faster for
   both short and long prompts (entries whose last field is False), so that the backend,
@@ -266,9 +266,13 @@ def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   GPU measured 1.36x to 2.0x Triton on every paged workload of the harness, short
   prompts included: BUILD_NOTES.md), always on an FP8 one (Mosaic GPU gathers FP8 pages
   into contiguous K/V first, for V^T: chunked8x512_page64 ran at 0.67x (MHA) and 0.42x
-  (MLA) of Triton's bf16 call, twenty-first session). A case the table lacks runs
-  Mosaic GPU."""
+  (MLA) of Triton's bf16 call, twenty-first session), and on a bf16/f16 q (``q_dtype``)
+  over FP8 K/V, which Mosaic GPU quantizes to e4m3 (relative error 1.5e-1 against q as
+  given with outlier channels, over issue 24's 5e-2; Triton uses q as given). A case the
+  table lacks runs Mosaic GPU."""
   del max_prompt_len
+  if is_fp8(dtype) and q_dtype is not None and not is_fp8(q_dtype):
+    return True
   if paged:
     return is_fp8(dtype)
   tuned = [_tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, n)

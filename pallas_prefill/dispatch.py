@@ -125,7 +125,7 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
     return mosaic_config
   # "auto" on a Hopper GPU, compiled
   if reason is not None or prefers_triton(qk, v.shape[-1], v.dtype, mask, max_prompt_len,
-                                          paged=paged is not None):
+                                          paged=paged is not None, q_dtype=q_dtype):
     return None
   return mosaic_config
 

@@ -4,7 +4,7 @@ columns, one ``k_scale`` for k_nope and k_rope), ``dot_product_attention`` and p
 caches. The real values are the FP8 values times their scales; a scale is a float32
 scalar, ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` (FlashAttention-3's descale
 shape; a query head uses its K/V head's). Q may instead be bf16/f16 over FP8 K/V (an FP8
-KV cache); it then needs no scale (the Mosaic GPU backend quantizes it to e4m3 itself,
+KV cache); it then needs no scale (``backend="mosaic_gpu"`` quantizes it to e4m3 itself,
 ``mosaic_gpu.operands.quantized_q``).
 
 ``scales`` turns the three arguments into the two ``[batch, num_kv_heads]`` float32

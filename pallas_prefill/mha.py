@@ -53,14 +53,16 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       bf16/f16 q, which takes no q_scale: an FP8 KV cache), float32 scalars,
       [num_kv_heads] or [batch, num_kv_heads]; the real values are the FP8 values times
       their scales (a query head takes its K/V head's). The output defaults to bfloat16
-      for an FP8 q. What runs where: on Hopper ``auto`` runs e4m3 k and v on Mosaic GPU
-      as FP8 matrix products (FP8 pages gathered into contiguous K/V first). A bf16/f16
-      q is quantized to e4m3 there by the call: per (sequence, K/V head), divided by the
-      largest finite |q| over the sequence's rows and the K/V head's query heads over
-      448 (1 where that is 0), a scale the logits are then multiplied by; this costs
-      about 2e-2 relative error against q as given on normal data, 5e-2 with outlier
-      channels (large logits), where the Triton kernel (``backend="triton"``) uses q as
-      given. e5m2 runs on Triton, its tiles widened to 16 bits in the kernel.
+      for an FP8 q. What runs where: on Hopper ``auto`` runs an e4m3 q, k and v on
+      Mosaic GPU as FP8 matrix products; e5m2, FP8 pages and a bf16/f16 q over FP8 k/v
+      on the Triton kernel, which widens the FP8 tiles to 16 bits (and uses such a q as
+      given). ``backend="mosaic_gpu"`` also serves FP8 pages (gathered into contiguous
+      K/V first: slower than Triton on the H200) and a bf16/f16 q, which the call then
+      quantizes to e4m3 per (sequence, K/V head): divided by the largest finite |q| over
+      the sequence's rows and the K/V head's query heads over 448 (1 where that is 0), a
+      scale the logits are then multiplied by. That costs accuracy: on the H200, 3.0e-2
+      relative error against q as given on normal data and 1.5e-1 with 3 outlier
+      channels 30x larger (large logits), against 2e-3 on Triton.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
       denominator gains exp(sink - max); the sink contributes no value.
     output_dtype: dtype of the output; default q.dtype.

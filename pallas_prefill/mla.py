@@ -36,8 +36,9 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
 
   Args:
     q: [total_q, num_heads, d_nope + d_rope], bfloat16, float16 or float32; nope first.
-      With FP8 K/V: float8_e4m3fn / float8_e5m2 (with q_scale), or bf16/f16 (quantized
-      by the call on Mosaic GPU, used as given on Triton: see q_scale).
+      With FP8 K/V: float8_e4m3fn / float8_e5m2 (with q_scale), or bf16/f16 (used as
+      given on Triton, which ``auto`` picks; quantized by the call on Mosaic GPU: see
+      q_scale).
     k_nope: [total_kv, num_kv_heads, d_nope], same dtype; num_heads % num_kv_heads == 0.
     k_rope: [total_kv, 1 or num_kv_heads, d_rope], same dtype as k_nope; 1 head is shared
       by every query head (DeepSeek).
@@ -54,12 +55,12 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     logits_soft_cap: None, or a static float cap > 0: logits become
       ``cap * tanh(logits / cap)`` after the scale, before the mask, as in ``mha_prefill``.
     q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
-      ``mha_prefill`` (issue 24; what runs where is said there: e4m3 on Mosaic GPU, FP8
-      pages gathered, e5m2 on Triton): each a scalar, [num_kv_heads] or [batch,
-      num_kv_heads], with float8_e4m3fn / float8_e5m2 k_nope, k_rope and v (and q, or a
-      bf16/f16 q, which takes no q_scale: on Mosaic GPU the call quantizes it to e4m3
-      as ``mha_prefill`` says, one scale per (sequence, K/V head) for its nope and rope
-      columns together, the absmax over both). One q_scale covers q's nope and
+      ``mha_prefill`` (issue 24; what runs where is said there: e4m3 on Mosaic GPU,
+      e5m2, FP8 pages and a bf16/f16 q on Triton under ``auto``): each a scalar,
+      [num_kv_heads] or [batch, num_kv_heads], with float8_e4m3fn / float8_e5m2 k_nope,
+      k_rope and v (and q, or a bf16/f16 q, which takes no q_scale: on Mosaic GPU the
+      call quantizes it to e4m3 as ``mha_prefill`` says, one scale per (sequence, K/V
+      head) for its nope and rope columns together, the absmax over both). One q_scale covers q's nope and
       rope columns and one k_scale covers k_nope and k_rope, so query head h of K/V head
       g has the logits (q_nope.k_nope + q_rope.k_rope) * q_scale[g] * k_scale[g] * scale:
       one factor, which the kernel folds into the logit scale. A shared (1-head) k_rope

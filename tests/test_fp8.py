@@ -746,21 +746,26 @@ def test_fp8_paged_mha_lowers_for_an_h200(backend, page_size, q_dtype, expect):
     assert f"tensor<{4 * 40 * 64}x8x128xf8E4M3FN>" in text
 
 
+@pytest.mark.parametrize("backend", ["auto", "mosaic_gpu"])
 @pytest.mark.parametrize("kind", ["mha", "mla", "mla paged", "padded"])
-def test_fp8_kv_cache_under_a_bf16_q_lowers_to_mosaic_gpu(kind):
-  """A bf16 q over e4m3 K/V (an FP8 KV cache) on an H200: ``auto`` runs Mosaic GPU, its
-  operands the e4m3 q that the call quantized (``operands.quantized_q``)."""
+def test_fp8_kv_cache_under_a_bf16_q_lowers_for_an_h200(kind, backend):
+  """A bf16 q over e4m3 K/V (an FP8 KV cache) on an H200: ``auto`` runs Triton, which
+  uses q as given (``config.prefers_triton``: Mosaic GPU's quantized q is less accurate);
+  ``backend="mosaic_gpu"`` runs Mosaic GPU, its operands the e4m3 q that the call
+  quantized (``operands.quantized_q``)."""
   bf, f32 = jnp.bfloat16, jnp.float32
   if kind == "mha":
     def fn(q, k, v, off, ks, vs):
       return pp.mha_prefill(q, k, v, off, max_prompt_len=512, k_scale=ks, v_scale=vs,
-                            kv_input_row_offsets=off, return_lse=True, interpret=False)
+                            kv_input_row_offsets=off, return_lse=True, interpret=False,
+                            backend=backend)
     args = (S((1000, 8, 128), bf), S((1500, 2, 128), E4), S((1500, 2, 128), E4),
             S((5,), jnp.int32), S((2,), f32), S((4, 2), f32))
   elif kind == "padded":
     def fn(q, k, v, lens, ks, vs):
       return pp.dot_product_attention(q, k, v, query_seq_lengths=lens, is_causal=True,
-                                      k_scale=ks, v_scale=vs, interpret=False)
+                                      k_scale=ks, v_scale=vs, interpret=False,
+                                      backend=backend)
     args = (S((4, 512, 8, 128), bf), S((4, 512, 2, 128), E4), S((4, 512, 2, 128), E4),
             S((4,), jnp.int32), S((4, 2), f32), S((), f32))
   else:  # DeepSeek-V3's depths (128 + 64 shared rope, v 128) on 16 heads
@@ -774,11 +779,13 @@ def test_fp8_kv_cache_under_a_bf16_q_lowers_to_mosaic_gpu(kind):
 
     def fn(q, kn, kr, v, off, ks, vs):
       return pp.mla_prefill(q, kn, kr, v, off, max_prompt_len=512, k_scale=ks,
-                            v_scale=vs, interpret=False,
+                            v_scale=vs, interpret=False, backend=backend,
                             **({} if paged else dict(kv_input_row_offsets=off)))
     args = (S((1000, 16, 192), bf), kv(16, 128), kv(1, 64), kv(16, 128),
             S((5,), jnp.int32), S((16,), f32), S((4, 16), f32))
-  text = _lowers_to("mosaic_gpu", fn, *args)
+  text = _lowers_to("triton" if backend == "auto" else backend, fn, *args)
+  if backend == "auto":
+    return
   q_rows, heads, depth = args[0].shape[-3:] if kind != "padded" else (2048, 8, 128)
   assert f"tensor<{q_rows}x{heads}x{depth}xf8E4M3FN>" in text  # q, quantized
 
