@@ -81,9 +81,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       kernel has not run on more than one GPU yet, so tensor-parallel calls get the Triton
       kernel unless they ask for "mosaic_gpu"). "triton": the Pallas Triton kernel, any
       NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16
-      and e4m3 K/V, depths up to 256 (padded to a multiple of 64), packed, offset or paged K/V;
-      NotImplementedError says why a call it cannot serve is refused. A ``MhaConfig`` with "auto" picks
-      Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
+      and e4m3 K/V, depths up to 256 (padded to a multiple of 64), packed, offset or
+      paged K/V; NotImplementedError says why a call it cannot serve is refused. A
+      ``MhaConfig`` with "auto" picks Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
       and the handling of garbage offsets.
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are

@@ -60,10 +60,11 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       [num_kv_heads] or [batch, num_kv_heads], with float8_e4m3fn / float8_e5m2 k_nope,
       k_rope and v (and q, or a bf16/f16 q, which takes no q_scale: on Mosaic GPU the
       call quantizes it to e4m3 as ``mha_prefill`` says, one scale per (sequence, K/V
-      head) for its nope and rope columns together, the absmax over both). One q_scale covers q's nope and
-      rope columns and one k_scale covers k_nope and k_rope, so query head h of K/V head
-      g has the logits (q_nope.k_nope + q_rope.k_rope) * q_scale[g] * k_scale[g] * scale:
-      one factor, which the kernel folds into the logit scale. A shared (1-head) k_rope
+      head) for its nope and rope columns together, the absmax over both). One q_scale
+      covers q's nope and rope columns and one k_scale covers k_nope and k_rope, so
+      query head h of K/V head g has the logits (q_nope.k_nope + q_rope.k_rope) *
+      q_scale[g] * k_scale[g] * scale: one factor, which the kernel folds into the logit
+      scale. A shared (1-head) k_rope
       is read by each K/V head g with k_scale[g]: with a per-head k_scale, quantize it
       for those scales (a scalar k_scale keeps one real k_rope for every head). The
       output defaults to bfloat16 for an FP8 q.
