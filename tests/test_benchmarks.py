@@ -658,9 +658,9 @@ def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
   """benchmarks.experiments.fp8_accuracy on the CPU at a tiny size, the Triton backend
   named (``auto`` lowers each call once more to say what it picked): ours on bf16,
   per-head and per-tensor FP8 inputs and a bf16 q over per-head FP8 K/V, for normal and
-  outlier data, cuDNN skipped with a
-  message; the FP8 errors against the dequantized inputs' reference within FP8_TOLERANCE,
-  and the outliers' against the original data far larger than normal data's."""
+  outlier data, cuDNN skipped with a message; the FP8 errors against the dequantized
+  inputs' reference within FP8_TOLERANCE, and the outliers' against the original data
+  far larger than normal data's."""
   from benchmarks.experiments import fp8_accuracy  # pylint: disable=g-import-not-at-top
 
   fp8_accuracy.main(["--interpret", "--lens", "16", "9", "--heads", "2", "--kv-heads", "1",
