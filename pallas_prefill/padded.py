@@ -243,8 +243,9 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
       ``mha_prefill`` (issue 24; what runs where is said there: e4m3 on Mosaic GPU,
       e5m2 and a bf16/f16 query on Triton under ``auto``): each a scalar, [num_kv_heads]
-      or [batch, num_kv_heads], batch being the padded batch's rows (every sequence of a row, segments included, takes
-      its row's scale); the real values are the FP8 values times the scales. q_scale
+      or [batch, num_kv_heads], batch being the padded batch's rows (every sequence of a
+      row, segments included, takes its row's scale); the real values are the FP8 values
+      times the scales. q_scale
       only with an FP8 query. A bf16/f16 query over FP8 key and value is quantized to
       e4m3 on Mosaic GPU (``backend="mosaic_gpu"``) as ``mha_prefill`` says, one scale
       per (sequence: a row's real queries or a segment run, K/V head), and used as given

@@ -203,18 +203,14 @@ def ragged_groups(offsets, rows):
   return np.where(seq < len(ends), seq, -1)
 
 
-def references(reference, call, args, kw, groups, kv_heads, *, interpret, q_quantized):
-  """The reference outputs a call (``call()``, q = args[0]) is checked against: of q as
+def references(reference, args, kw, groups, kv_heads, *, q_quantized):
+  """The reference outputs a call on ``args`` (q = args[0]) is checked against: of q as
   the call passes it to its kernel, and (None unless it quantizes q) of q as given.
-  ``q_quantized``: whether the call quantizes a bf16/f16 q (None: it does where it is
-  compiled for Mosaic GPU, read from its lowering)."""
+  ``q_quantized``: whether the call quantizes a bf16/f16 q (Mosaic GPU's calls do; under
+  ``auto`` a 16-bit q over FP8 K/V runs Triton, which uses it as given:
+  ``config.prefers_triton``)."""
   q = args[0]
-  if fp8.is_fp8(q.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-    q_quantized = False
-  elif q_quantized is None:
-    q_quantized = not interpret and (
-        "custom_call @mosaic_gpu" in jax.jit(call).lower().as_text())
-  if not q_quantized:
+  if not q_quantized or fp8.is_fp8(q.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
     return reference(*args, **kw), None
   flat = q.reshape(-1, *q.shape[-2:])
   q8 = q_as_quantized(flat, groups, kv_heads).reshape(q.shape)
@@ -229,7 +225,7 @@ def check_q_as_given(out32, given, tag):
 
 
 def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None, backend="auto",
-                   q_quantized=None):
+                   q_quantized=False):
   """The case on fresh random inputs against the reference of the same FP8 values: the
   output dtype, no NaN (so every row was written), the error, zeros past the last
   offset, and the LSE (the kernel with `config` where given, on `backend`). A bf16/f16 q
@@ -242,9 +238,8 @@ def check_fp8_case(case: Fp8Case, *, interpret, poison=None, config=None, backen
   kernel = functools.partial(kernel, backend=backend, interpret=interpret,
                              **({} if config is None else dict(config=config)))
   expected, given = references(
-      reference, functools.partial(kernel, *args, **kw), args, kw,
-      ragged_groups(np.asarray(args[-1]), args[0].shape[0]), case.kv_heads,
-      interpret=interpret, q_quantized=q_quantized)
+      reference, args, kw, ragged_groups(np.asarray(args[-1]), args[0].shape[0]),
+      case.kv_heads, q_quantized=q_quantized)
   if poison is not None:
     poison()
   result = kernel(*args, **kw)
@@ -272,7 +267,7 @@ def test_fp8_matches_the_dequantized_reference(case):
 # A paged FP8 cache: write_kv writes FP8 rows into FP8 pages, then the prefill over it.
 
 def check_write_kv_then_prefill(kind, *, interpret, poison=None, page_size=16, q_dtype=None,
-                                backend="auto", config=None, q_quantized=None):
+                                backend="auto", config=None, q_quantized=False):
   """The serving flow on an FP8 cache: cached FP8 pages, the new FP8 rows written by
   ``write_kv`` over NaN (every slot they take must be written; the slots past each
   sequence's keys stay NaN, never to be read), the prefill over the pages (an FP8 q, or
@@ -325,8 +320,7 @@ def check_write_kv_then_prefill(kind, *, interpret, poison=None, page_size=16, q
                              **({} if config is None else dict(config=config)))
   args = (q, *paged, offsets)
   (expected, ref_lse), given = references(
-      reference, functools.partial(kernel, *args, **kw), args, kw,
-      ragged_groups(np.asarray(offsets), total), kv_heads, interpret=interpret,
+      reference, args, kw, ragged_groups(np.asarray(offsets), total), kv_heads,
       q_quantized=q_quantized)
   if poison is not None:
     poison()
@@ -373,7 +367,7 @@ DPA_CASES = [  # (the padded case, in float32 before quantization; K/V dtype, q'
 
 
 def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=None,
-                     backend="auto", config=None, q_quantized=None):
+                     backend="auto", config=None, q_quantized=False):
   """``dot_product_attention`` on FP8 inputs whose padding rows hold NaN (which Triton
   never reads) against the reference of the clean FP8 values; padding rows must be
   zeros (LSE -1e30). Returns the relative error."""
@@ -398,9 +392,8 @@ def check_fp8_padded(case, dtype, q_dtype, scale_shape, *, interpret, poison=Non
   call = functools.partial(pp.dot_product_attention, *dirty_in, interpret=interpret,
                            backend=backend, config=config, **kw)
   expected, given = references(
-      pp.reference.dot_product_attention_reference, call, clean_in, kw,
-      padded_groups(case, q_real), case.kv_heads, interpret=interpret,
-      q_quantized=q_quantized)
+      pp.reference.dot_product_attention_reference, clean_in, kw,
+      padded_groups(case, q_real), case.kv_heads, q_quantized=q_quantized)
   if poison is not None:
     poison()
   result = call()
@@ -672,8 +665,9 @@ def test_fp8_mosaic_operands_padded(case, dtype, q_dtype, scale_shape, fp8_kerne
 
 
 # ---------------------------------------------------------------------------------------
-# Lowering for an H200 of the Triton kernel's FP8 calls, and of what "auto" runs on Mosaic
-# GPU: FP8 pages (gathered), a bf16/f16 q over FP8 K/V (quantized by the call).
+# Lowering for an H200 of the Triton kernel's FP8 calls, and of what Mosaic GPU runs when
+# asked (``auto`` keeps them on Triton): FP8 pages (gathered), a bf16/f16 q over FP8 K/V
+# (quantized by the call).
 
 S = jax.ShapeDtypeStruct
 
@@ -867,7 +861,7 @@ def test_fp8_refused_where_mosaic_gpu_does_not_serve_it():
   picks Triton): ``backend="mosaic_gpu"`` and a ``MosaicConfig`` say why, for every entry
   point (e5m2 inputs, which only the Triton kernel reads; an e5m2 q over e4m3 K/V). A
   bf16/f16 q over e4m3 K/V and FP8 pages are served (``test_fp8_paged_mha_lowers_...``,
-  ``test_fp8_kv_cache_under_a_bf16_q_lowers_to_mosaic_gpu``)."""
+  ``test_fp8_kv_cache_under_a_bf16_q_lowers_for_an_h200``)."""
   e5 = jnp.float8_e5m2
   x = jnp.ones((16, 4, 32), e5)
   off = jnp.asarray([0, 16], jnp.int32)
