@@ -99,6 +99,11 @@ class MosaicOptions:
       exp2 on the MUFU. Measured on the H200 (BUILD_NOTES.md, nineteenth session): a
       loss at every fraction, growing with it (MHA equal4x4096 0.99x at 2, 0.89x at 4,
       0.83x at 6; with a soft cap 0.98x, 0.96x, 0.93x; FP8 0.96x, 0.87x, 0.79x).
+    fp8_vt_kernel: FP8's V^T (P.V reads V K-major) made by one small Triton-lowered
+      Pallas kernel (``operands.transposed_v``: V read once, the rows outside every
+      sequence zeroed, written transposed) where V's depth is a power of two; False:
+      XLA's transpose (0.06 ms a call on the H200 for 16 MB of V, the fifteenth
+      session's entry in BUILD_NOTES.md).
   """
 
   dynamic: bool = True
@@ -111,10 +116,11 @@ class MosaicOptions:
   keyless_units: str = "first"
   batch_invariant: bool = True
   poly_exp2: int = 0
+  fp8_vt_kernel: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
-                 "skip_keyless_q", "batch_invariant"):
+                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

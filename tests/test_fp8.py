@@ -609,6 +609,9 @@ def fp8_kernel_modelled(monkeypatch):
 
   monkeypatch.setattr(mosaic_gpu, "plgpu", types.SimpleNamespace(
       kernel=kernel, CompilerParams=lambda **_: None))
+  # V^T's own small kernel (Triton-lowered on the GPU) in Pallas' interpret mode
+  monkeypatch.setattr(operands, "transposed_v",
+                      functools.partial(operands.transposed_v, interpret=True))
   # One device's program (the tests' host has several: custom_partitioning would trace)
   monkeypatch.setattr(partitioning, "_may_partition", lambda: False)
   with jax.disable_jit():
@@ -664,6 +667,80 @@ def test_fp8_mosaic_operands_padded(case, dtype, q_dtype, scale_shape, fp8_kerne
                    config=fp8_kernel_modelled, q_quantized=True)
 
 
+# ``operands.transposed_v``, Mosaic GPU's FP8 V^T kernel, against XLA's transpose
+# (``MosaicOptions.fp8_vt_kernel=False``): bitwise, NaN bit patterns in the rows outside
+# every sequence (which both zero) and in live rows (which both keep).
+
+VT_KERNEL = "fp8_v_transposed"  # ``operands.transposed_v``'s pallas_call
+VT_CASES = [  # total_kv, kv heads, depth, offsets (None: the ranges), ranges, block_kv
+    (300, 2, 128, [0, 5, 5, 100, 250], None, 128),  # rows past the last offset
+    (77, 1, 64, [0, 77], None, 128),  # shorter than a tile
+    (129, 3, 128, [10, 3, 200], None, 64),  # garbage offsets: clamped
+    (512, 2, 256, None, ([0, 300, 128], [100, 290, 140]), 128),  # K/V ranges, a gap
+    (1000, 4, 128, [0, 1, 2, 999, 1000], None, 128),
+]
+
+
+def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda f: f):
+  rng = np.random.default_rng(seed)
+  v = jnp.asarray(rng.normal(size=(total_kv, heads, depth)) * 100, E4)
+  bits = np.array(jax.lax.bitcast_convert_type(v, jnp.uint8))
+  bits[rng.random(total_kv) < 0.2, :, :3] = 0x7F  # e4m3's NaN, live rows too
+  v = jax.lax.bitcast_convert_type(jnp.asarray(bits), E4)
+  off = jnp.asarray(offsets if offsets is not None else [0, total_kv], jnp.int32)
+  kv_rows = None if ranges is None else tuple(jnp.asarray(r, jnp.int32) for r in ranges)
+  got, want = (fn(functools.partial(operands.fp8_operands, block_kv=block_kv,
+                                    vt_kernel=k))(v, off, kv_rows, ())[0]
+               for k in (True, False))
+  u8 = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
+  got, want = u8(got), u8(want)
+  assert got.shape[:2] == (heads, depth) and got.shape[2] % operands.VT_KEYS == 0
+  assert got.shape[2] >= max(total_kv, block_kv)
+  np.testing.assert_array_equal(got[..., :want.shape[2]], want)
+  assert not got[..., want.shape[2]:].any()  # the columns past the rows: +0.0
+  live = np.zeros(total_kv, bool)
+  for a, b in zip(*((np.clip(np.asarray(offsets)[:-1], 0, total_kv),
+                     np.clip(np.asarray(offsets)[1:], 0, total_kv)) if ranges is None
+                    else ranges)):
+    live[a:max(a, b)] = True
+  assert not want[..., :total_kv][..., ~live].any()  # dead rows zeroed
+  np.testing.assert_array_equal(want[..., :total_kv][..., live],
+                                bits.transpose(1, 2, 0)[..., live])
+
+
+@pytest.mark.parametrize("case", VT_CASES, ids=str)
+def test_fp8_transposed_v_matches_xla(case, monkeypatch):
+  monkeypatch.setattr(operands, "transposed_v",
+                      functools.partial(operands.transposed_v, interpret=True))
+  _vt_check(*case, seed=case[0])
+
+
+def test_fp8_transposed_v_jitted_with_traced_offsets(monkeypatch):
+  monkeypatch.setattr(operands, "transposed_v",
+                      functools.partial(operands.transposed_v, interpret=True))
+  _vt_check(*VT_CASES[2], seed=3, fn=jax.jit)
+
+
+def test_fp8_vt_kernel_option_lowers_for_an_h200():
+  """The default lowers FP8 Mosaic GPU calls with the V^T kernel (a program per 128 keys
+  and K/V head, 4 warps); ``fp8_vt_kernel=False`` with none (XLA's transpose)."""
+  from tests.test_lowering import lower_for_h200, triton_calls  # pylint: disable=g-import-not-at-top
+
+  def lowered(options):
+    def fn(q, k, v, off, qs, ks, vs):
+      return pp.mha_prefill(q, k, v, off, max_prompt_len=512, q_scale=qs, k_scale=ks,
+                            v_scale=vs, interpret=False, backend="mosaic_gpu",
+                            config=pp.MosaicConfig(options=options))
+    return lower_for_h200(fn, S((1000, 8, 128), E4), S((1000, 2, 128), E4),
+                          S((1000, 2, 128), E4), S((5,), jnp.int32), S((), jnp.float32),
+                          S((2,), jnp.float32), S((4, 2), jnp.float32))
+
+  calls = triton_calls(lowered(pp.MosaicOptions()))
+  assert [(c.name, c.grid, c.num_warps) for c in calls] == [
+      (VT_KERNEL, (1024 // 128, 2, 1), 4)]
+  assert not triton_calls(lowered(pp.MosaicOptions(fp8_vt_kernel=False)))
+
+
 # ---------------------------------------------------------------------------------------
 # Lowering for an H200 of the Triton kernel's FP8 calls, and of what Mosaic GPU runs when
 # asked (``auto`` keeps them on Triton): FP8 pages (gathered), a bf16/f16 q over FP8 K/V
@@ -674,12 +751,17 @@ S = jax.ShapeDtypeStruct
 
 def _lowers_to(backend, fn, *args):
   """``fn`` lowered for an H200 calls ``backend``'s kernel ("triton" or "mosaic_gpu")
-  and not the other's; returns the lowered text."""
-  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
-  text = lower_for_h200(fn, *args).as_text()
-  calls = {"triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "custom_call @mosaic_gpu"}
-  assert calls[backend] in text, backend
-  assert all(call not in text for name, call in calls.items() if name != backend), backend
+  and not the other's (beside Mosaic GPU, one Triton call is allowed: its FP8 V^T,
+  ``operands.transposed_v``); returns the lowered text."""
+  # pylint: disable=g-import-not-at-top
+  from tests.test_lowering import lower_for_h200, triton_calls
+  lowered = lower_for_h200(fn, *args)
+  text = lowered.as_text()
+  names = [call.name for call in triton_calls(lowered)]
+  if backend == "triton":
+    assert names and "custom_call @mosaic_gpu" not in text, names
+  else:
+    assert "custom_call @mosaic_gpu" in text and names == [VT_KERNEL], names
   return text
 
 
@@ -891,6 +973,12 @@ def test_fp8_refused_where_mosaic_gpu_does_not_serve_it():
 def _poison():
   from tests.test_gpu import poison_device_memory  # pylint: disable=g-import-not-at-top
   poison_device_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VT_CASES, ids=str)
+def test_fp8_compiled_transposed_v_matches_xla(case):
+  _vt_check(*case, seed=case[0], fn=jax.jit)
 
 
 @pytest.mark.gpu

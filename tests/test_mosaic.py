@@ -1004,10 +1004,13 @@ def test_poly_exp2_reaches_the_kernel_only_when_asked():
 
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)
 def test_default_config_lowers(problem):
+  from tests.test_lowering import triton_calls  # pylint: disable=g-import-not-at-top
   lowered = problem.lower()
   text = lowered.as_text()
   assert f"custom_call @{MOSAIC_CALL}(" in text
-  assert "__gpu$xla.gpu.triton" not in text
+  # No Triton call but FP8's V^T (``operands.transposed_v``)
+  names = [call.name for call in triton_calls(lowered)]
+  assert names == (["fp8_v_transposed"] if problem.dtype == "float8_e4m3fn" else []), names
   out_info = lowered.out_info
   out = out_info[0] if problem.lse else out_info
   dv = problem.head_dim_v

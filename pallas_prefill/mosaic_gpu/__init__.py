@@ -104,8 +104,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     q_ops, q_scale = prepare.quantized_q(q_ops, q_offsets, num_kv_heads, v.dtype)
     scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
-  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales,
-                               block_kv=config.block_kv) if fp8 else None
+  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, block_kv=config.block_kv,
+                               vt_kernel=config.options.fp8_vt_kernel) if fp8 else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,

@@ -6,7 +6,8 @@ past the last key may hold anything, NaN included, and 0 * NaN would poison P.V)
 batch-invariant tiles the ``2 * block_kv`` rows centred on the end of the keys, from
 which the kernel reads every tile that runs past it; with aligned tiles the tile that
 ends with the 8-row group of the last key; for a paged cache each sequence's last V tile.
-Small pages gathered into contiguous K/V; FP8's V^T. Q, K and V themselves are passed as
+Small pages gathered into contiguous K/V; FP8's V^T (``transposed_v``: a small
+Triton-lowered kernel). Q, K and V themselves are passed as
 they are (only arrays shorter than one tile are padded to one).
 """
 
@@ -14,7 +15,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_prefill import fp8
 from pallas_prefill.config import MosaicConfig
@@ -102,22 +107,74 @@ def kv_align(config: MosaicConfig, fp8: bool) -> int:
   return 1 if config.options.batch_invariant else 8
 
 
-def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv):
+VT_KEYS = 128  # keys per program of ``transposed_v``'s kernel (128 bytes of a V^T row)
+
+
+def live_rows(q_offsets, kv_rows, total_kv):
+  """[total_kv] bool: whether each K/V row is some sequence's key (rows [start, end) of
+  ``kv_rows``, or of the chained query offsets where K/V are packed like Q), clamped."""
+  starts, ends = ((q_offsets[:-1], q_offsets[1:]) if kv_rows is None else kv_rows)
+  starts = jnp.clip(starts.astype(jnp.int32), 0, total_kv)
+  ends = jnp.clip(ends.astype(jnp.int32), starts, total_kv)
+  # A +1/-1 count over the rows.
+  marks = jnp.zeros((total_kv + 1,), jnp.int32).at[starts].add(1).at[ends].add(-1)
+  return jnp.cumsum(marks)[:total_kv] > 0
+
+
+def _vt_kernel(live_ref, v_ref, vt_ref):
+  """One program: keys [r0, r0 + VT_KEYS) of one K/V head, read as [keys, depth] bytes
+  (rows past the array masked off), zeroed where not live, stored as [depth, keys]."""
+  r0 = pl.program_id(0) * VT_KEYS
+  h = pl.program_id(1)
+  live = plt.load(live_ref.at[pl.ds(r0, VT_KEYS)]) != 0  # False past total_kv
+  x = plt.load(v_ref.at[pl.ds(r0, VT_KEYS), h, :], mask=live[:, None], other=0)
+  plt.store(vt_ref.at[h, :, pl.ds(r0, VT_KEYS)], jnp.where(live[:, None], x, 0).T)
+
+
+def transposed_v(v, live, cols, *, interpret=False):
+  """V^T [num_kv_heads, v_depth, cols] (cols a multiple of ``VT_KEYS``, at least
+  v.shape[0]) from V [rows, num_kv_heads, v_depth] (1-byte elements, the depth a power of
+  two) and ``live`` [rows] bool, its rows outside ``live`` and past ``rows`` zeroed: one
+  Triton-lowered Pallas kernel, a program per (``VT_KEYS`` keys, K/V head), in place of
+  XLA's transpose of 1-byte elements (which ran at about 0.5 TB/s on the H200). Bytes
+  move as uint8 (FP8 bit patterns, NaN ones included, pass unchanged; a zeroed row is
+  +0.0)."""
+  total_kv, num_kv_heads, depth = v.shape
+  assert cols % VT_KEYS == 0 and cols >= total_kv, (cols, total_kv)
+  bits = lax.bitcast_convert_type(v, jnp.uint8)
+  live = jnp.pad(live.astype(jnp.int32), (0, cols - total_kv))
+  if interpret:  # a slice past the end is clamped there, not masked: pad instead
+    bits = jnp.pad(bits, [(0, cols - total_kv), (0, 0), (0, 0)])
+  # Inside shard_map the output varies over the mesh axes the inputs vary over.
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (live, bits)))
+  out = jax.ShapeDtypeStruct((num_kv_heads, depth, cols), jnp.uint8,
+                             manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  vt = pl.pallas_call(
+      _vt_kernel,
+      grid=(cols // VT_KEYS, num_kv_heads),
+      in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, out_shape=out,
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret, name="fp8_v_transposed",
+  )(live, bits)
+  return lax.bitcast_convert_type(vt, v.dtype)
+
+
+def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True):
   """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
   multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
   sequence's keys zeroed (padding and rows past the batch's last key may hold anything,
   NaN included, and 0 * NaN is NaN); and the scales ([batch, num_kv_heads] float32 each:
   the logits' factor and V's), which the kernel reads by the item's sequence
-  (``layout.SEQ``). One XLA transpose of V (an FP8 matrix product reads its B operand
-  K-major: the keys along a row)."""
-  total_kv = v.shape[0]
-  starts, ends = ((q_offsets[:-1], q_offsets[1:]) if kv_rows is None else kv_rows)
-  starts = jnp.clip(starts.astype(jnp.int32), 0, total_kv)
-  ends = jnp.clip(ends.astype(jnp.int32), starts, total_kv)
-  # Rows inside some sequence's [start, end): a +1/-1 count over the rows.
-  marks = jnp.zeros((total_kv + 1,), jnp.int32).at[starts].add(1).at[ends].add(-1)
-  live = (jnp.cumsum(marks)[:total_kv] > 0)[:, None, None]
-  vt = jnp.transpose(jnp.where(live, v, jnp.zeros((), v.dtype)), (1, 2, 0))
+  (``layout.SEQ``). An FP8 matrix product reads its B operand K-major (the keys along a
+  row): with ``vt_kernel`` (``MosaicOptions.fp8_vt_kernel``) and a depth that is a power of
+  two, ``transposed_v``'s kernel (rows a multiple of ``VT_KEYS``), else one XLA
+  transpose."""
+  total_kv, _, depth = v.shape
+  live = live_rows(q_offsets, kv_rows, total_kv)
+  if vt_kernel and depth & (depth - 1) == 0:
+    cols = -(-max(total_kv, block_kv) // VT_KEYS) * VT_KEYS
+    return (transposed_v(v, live, cols), *scales)
+  vt = jnp.transpose(jnp.where(live[:, None, None], v, jnp.zeros((), v.dtype)), (1, 2, 0))
   rows = max(-(-total_kv // 16) * 16, block_kv)
   vt = jnp.pad(vt, [(0, 0), (0, 0), (0, rows - total_kv)])
   return (vt, *scales)
