@@ -121,41 +121,56 @@ def live_rows(q_offsets, kv_rows, total_kv):
   return jnp.cumsum(marks)[:total_kv] > 0
 
 
-def _vt_kernel(live_ref, v_ref, vt_ref):
+def _vt_kernel(*refs, batch, total_kv, ranges):
   """One program: keys [r0, r0 + VT_KEYS) of one K/V head, read as [keys, depth] bytes
-  (rows past the array masked off), zeroed where not live, stored as [depth, keys]."""
+  where some sequence's [start, end) holds them (``live_rows``' rule, from the offsets or
+  the ranges read here) and zero elsewhere, stored as [depth, keys]."""
+  *bounds, v_ref, vt_ref = refs
   r0 = pl.program_id(0) * VT_KEYS
   h = pl.program_id(1)
-  live = plt.load(live_ref.at[pl.ds(r0, VT_KEYS)]) != 0  # False past total_kv
+  keys = r0 + jnp.arange(VT_KEYS, dtype=jnp.int32)
+
+  def seq(b, live):
+    if ranges:
+      start, end = bounds[0][b], bounds[1][b]
+    else:
+      start, end = bounds[0][b], bounds[0][b + 1]
+    start = jnp.clip(start.astype(jnp.int32), 0, total_kv)
+    end = jnp.clip(end.astype(jnp.int32), start, total_kv)
+    return live | ((keys >= start) & (keys < end))
+
+  live = lax.fori_loop(0, batch, seq, jnp.zeros((VT_KEYS,), jnp.bool_))
   x = plt.load(v_ref.at[pl.ds(r0, VT_KEYS), h, :], mask=live[:, None], other=0)
   plt.store(vt_ref.at[h, :, pl.ds(r0, VT_KEYS)], jnp.where(live[:, None], x, 0).T)
 
 
-def transposed_v(v, live, cols, *, interpret=False):
+def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
   """V^T [num_kv_heads, v_depth, cols] (cols a multiple of ``VT_KEYS``, at least
   v.shape[0]) from V [rows, num_kv_heads, v_depth] (1-byte elements, the depth a power of
-  two) and ``live`` [rows] bool, its rows outside ``live`` and past ``rows`` zeroed: one
-  Triton-lowered Pallas kernel, a program per (``VT_KEYS`` keys, K/V head), in place of
-  XLA's transpose of 1-byte elements (which ran at about 0.5 TB/s on the H200). Bytes
-  move as uint8 (FP8 bit patterns, NaN ones included, pass unchanged; a zeroed row is
-  +0.0)."""
+  two), its rows that are no sequence's keys (``live_rows``: from ``kv_rows``, or the
+  offsets where K/V are packed like Q) and the columns past ``rows`` zeroed: one
+  Triton-lowered Pallas kernel, a program per (``VT_KEYS`` keys, K/V head), that reads
+  the offsets itself, in place of XLA's count of the live rows and transpose of 1-byte
+  elements (several small kernels). Bytes move as uint8 (FP8 bit patterns, NaN ones
+  included, pass unchanged; a zeroed row is +0.0)."""
   total_kv, num_kv_heads, depth = v.shape
   assert cols % VT_KEYS == 0 and cols >= total_kv, (cols, total_kv)
   bits = lax.bitcast_convert_type(v, jnp.uint8)
-  live = jnp.pad(live.astype(jnp.int32), (0, cols - total_kv))
   if interpret:  # a slice past the end is clamped there, not masked: pad instead
     bits = jnp.pad(bits, [(0, cols - total_kv), (0, 0), (0, 0)])
+  bounds = [q_offsets] if kv_rows is None else list(kv_rows)
   # Inside shard_map the output varies over the mesh axes the inputs vary over.
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (live, bits)))
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (*bounds, bits)))
   out = jax.ShapeDtypeStruct((num_kv_heads, depth, cols), jnp.uint8,
                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  kernel = functools.partial(_vt_kernel, batch=bounds[-1].shape[0] - (kv_rows is None),
+                             total_kv=total_kv, ranges=kv_rows is not None)
   vt = pl.pallas_call(
-      _vt_kernel,
-      grid=(cols // VT_KEYS, num_kv_heads),
-      in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, out_shape=out,
-      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+      kernel, grid=(cols // VT_KEYS, num_kv_heads),
+      in_specs=[pl.no_block_spec] * (len(bounds) + 1), out_specs=pl.no_block_spec,
+      out_shape=out, compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="fp8_v_transposed",
-  )(live, bits)
+  )(*bounds, bits)
   return lax.bitcast_convert_type(vt, v.dtype)
 
 
@@ -170,10 +185,10 @@ def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True):
   two, ``transposed_v``'s kernel (rows a multiple of ``VT_KEYS``), else one XLA
   transpose."""
   total_kv, _, depth = v.shape
-  live = live_rows(q_offsets, kv_rows, total_kv)
   if vt_kernel and depth & (depth - 1) == 0:
     cols = -(-max(total_kv, block_kv) // VT_KEYS) * VT_KEYS
-    return (transposed_v(v, live, cols), *scales)
+    return (transposed_v(v, q_offsets, kv_rows, cols), *scales)
+  live = live_rows(q_offsets, kv_rows, total_kv)
   vt = jnp.transpose(jnp.where(live[:, None, None], v, jnp.zeros((), v.dtype)), (1, 2, 0))
   rows = max(-(-total_kv // 16) * 16, block_kv)
   vt = jnp.pad(vt, [(0, 0), (0, 0), (0, rows - total_kv)])
