@@ -104,6 +104,12 @@ class MosaicOptions:
       sequence zeroed, written transposed) where V's depth is a power of two; False:
       XLA's transpose (0.06 ms a call on the H200 for 16 MB of V, the fifteenth
       session's entry in BUILD_NOTES.md).
+    soft_cap_fixed_max: soft-capped scores lie in [-cap, cap], so the softmax takes a
+      fixed maximum (the cap, or less for caps above 41.6: ``kernel.fixed_maximum``)
+      instead of the running one: no row maximum, no rescale of the accumulators, per KV
+      tile (bf16 with the folded scale, caps up to about 52.7; float16, whose P would
+      flush small probabilities, FP8 and larger caps keep the running maximum). False:
+      the running maximum.
   """
 
   dynamic: bool = True
@@ -117,10 +123,11 @@ class MosaicOptions:
   batch_invariant: bool = True
   poly_exp2: int = 0
   fp8_vt_kernel: bool = True
+  soft_cap_fixed_max: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
-                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel"):
+                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -466,3 +466,49 @@ def test_mosaic_poly_exp2_fp8(kind):
   assert case.kind == kind and case.dtype == "float8_e4m3fn", case
   test_fp8.check_fp8_case(case, interpret=False, poison=poison_device_memory,
                           config=pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4)))
+
+
+@pytest.mark.parametrize("cap,sign,dtype,sink,fixed", [
+    (30.0, -1, "bfloat16", False, True),  # every score near -cap: exp2 near 2**-86.6
+    (50.0, -1, "bfloat16", False, True),  # Gemma 2's cap: exp2 at the floor, 2**-120
+    (52.0, -1, "bfloat16", True, True), (52.0, 1, "bfloat16", False, True),  # 2**30 at top
+    (30.0, 1, "bfloat16", True, True),
+    (50.0, -1, "float16", False, True),  # float16: the running maximum
+    (100.0, -1, "bfloat16", False, True),  # a cap past the fixed maximum's range
+    (50.0, -1, "bfloat16", False, False),  # the option off
+], ids=str)
+def test_mosaic_soft_cap_fixed_max_extremes(cap, sign, dtype, sink, fixed):
+  """``MosaicOptions.soft_cap_fixed_max`` (the default) where it is tightest: scores that
+  all lie near -cap (their exp2 against the fixed maximum near the floor; a causal first
+  row sees a single such key) or near +cap (near the ceiling), with sinks, LSE, against
+  the float32 reference; where it does not serve (float16, cap 100, off) the running
+  maximum gives the same."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  lens, heads, kv_heads, d = (1, 37, 300, 1029), 8, 2, 128
+  total = sum(lens)
+  u = rng.standard_normal(d)
+  u /= np.linalg.norm(u)
+  # q.k * scale from 1 to 3 caps in magnitude (tanh 0.76 to 0.995): the capped scores
+  # differ, all near one end
+  a = np.sqrt(2.0 * cap * np.sqrt(d))
+  q = a * u + 0.05 * rng.standard_normal((total, heads, d))
+  k = sign * a * (0.5 + rng.random((total, kv_heads, 1))) * u
+  k = k + 0.05 * rng.standard_normal((total, kv_heads, d))
+  v = rng.standard_normal((total, kv_heads, d))
+  dt = jnp.dtype(dtype)
+  args = [jnp.asarray(x, dt) for x in (q, k, v)] + [
+      jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)]
+  kw = dict(max_prompt_len=max(lens), logits_soft_cap=cap, return_lse=True)
+  if sink:
+    kw["sink_weights"] = jnp.asarray(rng.standard_normal(heads) * 2 + sign * 40.0,
+                                     jnp.float32)
+  ref_out, ref_lse = pp.reference.mha_prefill_reference(*args, **kw)
+  config = pp.MosaicConfig(options=pp.MosaicOptions(soft_cap_fixed_max=fixed))
+  poison_device_memory()
+  out, lse = pp.mha_prefill(*args, config=config, backend="mosaic_gpu", interpret=False,
+                            **kw)
+  out32 = np.asarray(out, np.float32)
+  assert np.isfinite(out32).all() and np.isfinite(np.asarray(lse)).all()
+  err = cases.rel_err(out32, ref_out)
+  assert err < cases.TOLERANCE[dtype], err
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=2e-2)

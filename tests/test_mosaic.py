@@ -1002,6 +1002,42 @@ def test_poly_exp2_reaches_the_kernel_only_when_asked():
   assert marker not in Lowered(soft_cap=30.0).lower().as_text()
 
 
+def test_fixed_maximum_keeps_every_capped_exp2_in_range():
+  """``kernel.fixed_maximum``: for soft caps up to about 52.7 a fixed maximum M with every
+  capped score's exp2 in [2**-FIXED_MAX_FLOOR, 2**FIXED_MAX_CEIL] (M the cap itself, so
+  exp2 <= 1, up to cap 41.6); None above, and without a cap."""
+  assert mosaic_kernel.fixed_maximum(None) is None
+  floor, ceil = mosaic_kernel.FIXED_MAX_FLOOR, mosaic_kernel.FIXED_MAX_CEIL
+  for cap in np.linspace(0.01, 80.0, 2001):
+    cap2 = cap * constants.LOG2_E
+    m = mosaic_kernel.fixed_maximum(cap2)
+    if cap2 - (floor - cap2) > ceil:
+      assert m is None, cap
+      continue
+    assert m is not None and -cap2 - m >= -floor - 1e-9 and cap2 - m <= ceil + 1e-9, cap
+    assert m == (cap2 if cap2 <= floor / 2 else floor - cap2), cap
+  assert mosaic_kernel.fixed_maximum(30.0 * constants.LOG2_E) == 30.0 * constants.LOG2_E
+  assert mosaic_kernel.fixed_maximum(50.0 * constants.LOG2_E) is not None  # Gemma 2
+  assert mosaic_kernel.fixed_maximum(53.0 * constants.LOG2_E) is None
+
+
+def test_soft_cap_fixed_max_reaches_the_kernel_only_where_it_holds():
+  """The running maximum's rescale (its one subtraction, m_i - m_new) is gone from the
+  lowered kernel where the fixed maximum serves (bf16, cap up to about 52.7, the option
+  on) and present elsewhere: the option off, float16 (whose P would flush), a larger cap,
+  no cap."""
+  def subf(**kw):
+    return "arith.subf" in Lowered(**kw).lower().as_text()
+
+  off = pp.MosaicConfig(options=pp.MosaicOptions(soft_cap_fixed_max=False))
+  assert not subf(soft_cap=30.0)
+  assert not subf(soft_cap=50.0, lse=True)
+  assert subf(soft_cap=30.0, config=off)
+  assert subf(soft_cap=30.0, dtype="float16")
+  assert subf(soft_cap=60.0)
+  assert subf()
+
+
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)
 def test_default_config_lowers(problem):
   from tests.test_lowering import triton_calls  # pylint: disable=g-import-not-at-top

@@ -23,7 +23,7 @@ from pallas_prefill.config import MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
-from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel
+from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel, fixed_maximum
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
 from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
@@ -125,6 +125,11 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
       keyless_units=config.options.keyless_units,
       poly_exp2=config.options.poly_exp2,
+      # (bf16 only: P in float16 would flush the small probabilities of a row whose
+      # scores all lie far below the fixed maximum)
+      fixed_max=fixed_maximum(soft_cap * LOG2_E) if (
+          soft_cap is not None and config.options.soft_cap_fixed_max
+          and config.options.fold_scale and v.dtype == jnp.bfloat16) else None,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:

@@ -83,6 +83,26 @@ from pallas_prefill.mosaic_gpu.schedule import (ALL_HEADS, dealt_unit, num_local
 # small probabilities out of e4m3's subnormals; the running sum carries the same factor.
 P_BIAS = 8
 
+# A soft-capped score (base 2) lies in [-cap, cap]: with a fixed maximum M its exp2 lies in
+# [2**(-cap - M), 2**(cap - M)], which must stay a normal float32 (ex2.approx flushes
+# subnormals) with room for the sums: at least 2**-FIXED_MAX_FLOOR, at most
+# 2**FIXED_MAX_CEIL.
+FIXED_MAX_FLOOR = 120
+FIXED_MAX_CEIL = 32
+
+
+def fixed_maximum(soft_cap: float | None) -> float | None:
+  """The fixed running maximum (base 2) that replaces the online one where the scores are
+  soft-capped (``soft_cap``: the cap times log2(e)), or None where no fixed maximum keeps
+  every exp2 in [2**-FIXED_MAX_FLOOR, 2**FIXED_MAX_CEIL] (caps above about 52.7): the cap
+  itself up to cap 41.6 (exp2 at most 1, as with the running maximum), above it
+  FIXED_MAX_FLOOR - cap."""
+  if soft_cap is None:
+    return None
+  m = min(soft_cap, FIXED_MAX_FLOOR - soft_cap)
+  return m if soft_cap - m <= FIXED_MAX_CEIL else None
+
+
 # The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
 # (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
 # barrier 0 and 1 + the warpgroup index.
@@ -105,7 +125,9 @@ class KernelSpec:
   skip_keyless_q, keyless_units: ``MosaicOptions``'; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
   (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
-  ``MosaicOptions.poly_exp2``.
+  ``MosaicOptions.poly_exp2``; fixed_max: None, or the soft-capped scores' fixed maximum
+  (``fixed_maximum``, ``MosaicOptions.soft_cap_fixed_max``): no running maximum, no
+  rescale.
   """
 
   parts: tuple
@@ -134,6 +156,7 @@ class KernelSpec:
   keyless_units: str = "per_head"
   kv_unit: int = 8
   poly_exp2: int = 0
+  fixed_max: float | None = None
 
   @property
   def keyless_apart(self) -> bool:
@@ -540,6 +563,14 @@ def initial_rows(spec, refs, h):
   the sink's (FP8: with P_BIAS), or none."""
   if spec.has_sink and spec.fp8:
     m0, l0 = refs.sink[h] * LOG2_E - P_BIAS, float(2 ** P_BIAS)
+  elif spec.fixed_max is not None and spec.has_sink:
+    # The larger of the two: the sink's term at most 1; the keys' terms below
+    # 2**-FIXED_MAX_FLOOR that then flush to zero are negligible against it.
+    sink = refs.sink[h] * LOG2_E
+    m0 = jnp.maximum(sink, spec.fixed_max)
+    l0 = jnp.exp2(sink - m0)
+  elif spec.fixed_max is not None:
+    m0, l0 = spec.fixed_max, 0.0
   elif spec.has_sink:
     m0, l0 = refs.sink[h] * LOG2_E, 1.0
   else:
@@ -628,7 +659,8 @@ def mask_scores(spec, item: Item, i, s):
 def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   """The running maximum and the tile's probabilities (base 2; where ``fold`` is not
   None, the scores' last factor ``scaled_scores`` left, folded into the exponent: one
-  FFMA per score); the accumulators and the running sum rescaled to the new maximum.
+  FFMA per score); the accumulators and the running sum rescaled to the new maximum
+  (with ``KernelSpec.fixed_max``, soft-capped scores, the maximum stays m_i: no rescale).
   Returns (acc, l, m_new, p, p in the input dtype). FP8 (never folded): the maximum kept
   is P_BIAS less, so that P is 2**P_BIAS times its value (at most 256). With
   ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
@@ -640,6 +672,11 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
       p = primitives.exp2_fma(s, 1.0, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
     else:
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  elif fold is not None and spec.fixed_max is not None:
+    # Soft-capped scores: the maximum is fixed (``fixed_maximum``), so no row maximum,
+    # no rescale of the accumulators and the running sum.
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_i, s.shape, [0]), **poly)
+    return acc, l_i, m_i, p, p.astype(spec.dtype)
   elif fold is not None:
     m_new = jnp.maximum(m_i, s.max(axis=1) * fold)
     p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
