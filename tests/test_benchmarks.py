@@ -680,6 +680,28 @@ def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
           > 2 * got[("normal", "per_head", "pallas_prefill")]["err_original"])
 
 
+def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
+  """benchmarks.experiments.ncu_summary on an ncu raw page (its own lines first, a units
+  row after the header): every kernel's duration, then the longest kernel's wanted
+  nonzero metrics only."""
+  from benchmarks.experiments import ncu_summary  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "a.csv"
+  path.write_text(
+      "==PROF== Connected to process 1\n"
+      '"ID","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct",'
+      '"sm__inst_executed_pipe_xu.avg.pct","sm__inst_executed_pipe_fma.avg.pct",'
+      '"dram__bytes.sum"\n'
+      '"","","nsecond","%","%","%","byte"\n'
+      '"0","work_items","9,152","10.5","0","1.0","5"\n'
+      '"1","attention","937,664","41.9","34.3","0","7"\n')
+  ncu_summary.main([str(path)])
+  out = capsys.readouterr().out.splitlines()
+  assert out[1:4] == ["- work_items: 9,152", "- attention: 937,664", "longest: attention"]
+  assert out[4:] == ["  gpu__time_duration.sum = 937,664",
+                     "  smsp__issue_active.avg.pct = 41.9",
+                     "  sm__inst_executed_pipe_xu.avg.pct = 34.3"]
+
+
 def test_poly_exp2_experiment_arms_in_turns(tmp_path, monkeypatch, capsys):
   """benchmarks.experiments.poly_exp2 with stand-in systems (the Mosaic GPU kernel needs a
   Hopper GPU): an arm per system and eighths, each prepared with that ``poly_exp2``,

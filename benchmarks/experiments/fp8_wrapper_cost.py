@@ -6,7 +6,11 @@ Per MHA workload: the whole FP8 call (``mha_prefill`` with per-head scales, the 
 backend), the same call in bf16, and the FP8 wrapper's V^T operand alone
 (``operands.fp8_operands``: V's non-key rows zeroed and V transposed), by its Triton-lowered
 kernel (``transposed_v``, the default) and by XLA's transpose (``vt_kernel=False``), each
-the median of the harness's rounds (``run.bench_jax``). Prints a table.
+the median of the harness's rounds (``run.bench_jax``). Prints a table. The V^T operand
+timed alone is a small jitted call, whose time on the H200 is mostly the host's dispatch
+(0.035-0.068 ms, against the kernel's 0.011-0.017 ms under ncu inside the FP8 call:
+BUILD_NOTES.md, twenty-second session); compare whole calls (``benchmarks.experiments.arms``
+with ``fp8_vt_kernel=False``) for what V^T costs.
 """
 
 from __future__ import annotations

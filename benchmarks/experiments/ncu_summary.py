@@ -31,7 +31,7 @@ def rows(path):
     return [], []
   table = list(csv.reader(io.StringIO(text[start:])))
   header, body = table[0], table[1:]
-  # The second row holds units
+  # (the row after the header holds the units: no kernel ID)
   body = [r for r in body if r and r[0].isdigit()]
   return header, body
 
@@ -43,11 +43,11 @@ def number(x):
     return None
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("files", nargs="+")
   parser.add_argument("--metric", action="append", default=None)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   wanted = args.metric or DEFAULT_METRICS
   for path in args.files:
     header, body = rows(path)
