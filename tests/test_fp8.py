@@ -678,7 +678,17 @@ VT_CASES = [  # total_kv, kv heads, depth, offsets (None: the ranges), ranges, b
     (129, 3, 128, [10, 3, 200], None, 64),  # garbage offsets: clamped
     (512, 2, 256, None, ([0, 300, 128], [100, 290, 140]), 128),  # K/V ranges, a gap
     (1000, 4, 128, [0, 1, 2, 999, 1000], None, 128),
+    # more sequences than VT_BATCH_LOOP: XLA's live rows; offsets and ranges with gaps
+    (1500, 2, 128, list(range(0, 1400, 7)) + [1300, 1450], None, 128),
+    (700, 1, 64, None, (list(range(3, 650, 4)), list(range(5, 652, 4))), 64),
 ]
+
+
+def _vt_id(case):
+  total_kv, heads, depth, offsets, ranges, block_kv = case
+  batch = len(offsets) - 1 if ranges is None else len(ranges[0])
+  kind = "offsets" if ranges is None else "ranges"
+  return f"{total_kv}x{heads}x{depth}-{kind}{batch}-bkv{block_kv}"
 
 
 def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda f: f):
@@ -708,7 +718,7 @@ def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda
                                 bits.transpose(1, 2, 0)[..., live])
 
 
-@pytest.mark.parametrize("case", VT_CASES, ids=str)
+@pytest.mark.parametrize("case", VT_CASES, ids=_vt_id)
 def test_fp8_transposed_v_matches_xla(case, monkeypatch):
   monkeypatch.setattr(operands, "transposed_v",
                       functools.partial(operands.transposed_v, interpret=True))
@@ -976,7 +986,7 @@ def _poison():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", VT_CASES, ids=str)
+@pytest.mark.parametrize("case", VT_CASES, ids=_vt_id)
 def test_fp8_compiled_transposed_v_matches_xla(case):
   _vt_check(*case, seed=case[0], fn=jax.jit)
 

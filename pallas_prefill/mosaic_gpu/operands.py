@@ -108,6 +108,7 @@ def kv_align(config: MosaicConfig, fp8: bool) -> int:
 
 
 VT_KEYS = 128  # keys per program of ``transposed_v``'s kernel (128 bytes of a V^T row)
+VT_BATCH_LOOP = 128  # sequences up to which its programs read the offsets themselves
 
 
 def live_rows(q_offsets, kv_rows, total_kv):
@@ -121,25 +122,27 @@ def live_rows(q_offsets, kv_rows, total_kv):
   return jnp.cumsum(marks)[:total_kv] > 0
 
 
-def _vt_kernel(*refs, batch, total_kv, ranges):
+def _vt_kernel(*refs, batch, total_kv, bounds):
   """One program: keys [r0, r0 + VT_KEYS) of one K/V head, read as [keys, depth] bytes
-  where some sequence's [start, end) holds them (``live_rows``' rule, from the offsets or
-  the ranges read here) and zero elsewhere, stored as [depth, keys]."""
-  *bounds, v_ref, vt_ref = refs
+  where some sequence's [start, end) holds them (``live_rows``' rule) and zero elsewhere,
+  stored as [depth, keys]. ``bounds``: "offsets" (the chained offsets, read here),
+  "ranges" (K/V starts and ends, read here) or "live" (``live_rows`` as int32, padded
+  with zeros to the columns)."""
+  *ins, v_ref, vt_ref = refs
   r0 = pl.program_id(0) * VT_KEYS
   h = pl.program_id(1)
   keys = r0 + jnp.arange(VT_KEYS, dtype=jnp.int32)
 
   def seq(b, live):
-    if ranges:
-      start, end = bounds[0][b], bounds[1][b]
-    else:
-      start, end = bounds[0][b], bounds[0][b + 1]
+    start, end = (ins[0][b], ins[1][b]) if bounds == "ranges" else (ins[0][b], ins[0][b + 1])
     start = jnp.clip(start.astype(jnp.int32), 0, total_kv)
     end = jnp.clip(end.astype(jnp.int32), start, total_kv)
     return live | ((keys >= start) & (keys < end))
 
-  live = lax.fori_loop(0, batch, seq, jnp.zeros((VT_KEYS,), jnp.bool_))
+  if bounds == "live":
+    live = plt.load(ins[0].at[pl.ds(r0, VT_KEYS)]) != 0  # False past total_kv
+  else:
+    live = lax.fori_loop(0, batch, seq, jnp.zeros((VT_KEYS,), jnp.bool_))
   x = plt.load(v_ref.at[pl.ds(r0, VT_KEYS), h, :], mask=live[:, None], other=0)
   plt.store(vt_ref.at[h, :, pl.ds(r0, VT_KEYS)], jnp.where(live[:, None], x, 0).T)
 
@@ -149,28 +152,36 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
   v.shape[0]) from V [rows, num_kv_heads, v_depth] (1-byte elements, the depth a power of
   two), its rows that are no sequence's keys (``live_rows``: from ``kv_rows``, or the
   offsets where K/V are packed like Q) and the columns past ``rows`` zeroed: one
-  Triton-lowered Pallas kernel, a program per (``VT_KEYS`` keys, K/V head), that reads
-  the offsets itself, in place of XLA's count of the live rows and transpose of 1-byte
-  elements (several small kernels). Bytes move as uint8 (FP8 bit patterns, NaN ones
-  included, pass unchanged; a zeroed row is +0.0)."""
+  Triton-lowered Pallas kernel, a program per (``VT_KEYS`` keys, K/V head), in place of
+  XLA's count of the live rows and transpose of 1-byte elements (several small kernels).
+  Up to ``VT_BATCH_LOOP`` sequences each program reads the offsets (or ranges) itself;
+  beyond, XLA's ``live_rows`` (a loop over every sequence per program would cost more).
+  Bytes move as uint8 (FP8 bit patterns, NaN ones included, pass unchanged; a zeroed row
+  is +0.0)."""
   total_kv, num_kv_heads, depth = v.shape
   assert cols % VT_KEYS == 0 and cols >= total_kv, (cols, total_kv)
   bits = lax.bitcast_convert_type(v, jnp.uint8)
   if interpret:  # a slice past the end is clamped there, not masked: pad instead
     bits = jnp.pad(bits, [(0, cols - total_kv), (0, 0), (0, 0)])
-  bounds = [q_offsets] if kv_rows is None else list(kv_rows)
+  batch = q_offsets.shape[0] - 1 if kv_rows is None else kv_rows[0].shape[0]
+  if batch > VT_BATCH_LOOP:
+    kind = "live"
+    ins = [jnp.pad(live_rows(q_offsets, kv_rows, total_kv).astype(jnp.int32),
+                   (0, cols - total_kv))]
+  else:
+    kind = "offsets" if kv_rows is None else "ranges"
+    ins = [q_offsets] if kv_rows is None else list(kv_rows)
   # Inside shard_map the output varies over the mesh axes the inputs vary over.
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (*bounds, bits)))
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (*ins, bits)))
   out = jax.ShapeDtypeStruct((num_kv_heads, depth, cols), jnp.uint8,
                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-  kernel = functools.partial(_vt_kernel, batch=bounds[-1].shape[0] - (kv_rows is None),
-                             total_kv=total_kv, ranges=kv_rows is not None)
+  kernel = functools.partial(_vt_kernel, batch=batch, total_kv=total_kv, bounds=kind)
   vt = pl.pallas_call(
       kernel, grid=(cols // VT_KEYS, num_kv_heads),
-      in_specs=[pl.no_block_spec] * (len(bounds) + 1), out_specs=pl.no_block_spec,
+      in_specs=[pl.no_block_spec] * (len(ins) + 1), out_specs=pl.no_block_spec,
       out_shape=out, compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="fp8_v_transposed",
-  )(*bounds, bits)
+  )(*ins, bits)
   return lax.bitcast_convert_type(vt, v.dtype)
 
 
