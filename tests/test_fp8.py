@@ -736,18 +736,20 @@ def test_fp8_vt_kernel_option_lowers_for_an_h200():
   and K/V head, 4 warps); ``fp8_vt_kernel=False`` with none (XLA's transpose)."""
   from tests.test_lowering import lower_for_h200, triton_calls  # pylint: disable=g-import-not-at-top
 
-  def lowered(options):
+  def lowered(options, batch=4):
     def fn(q, k, v, off, qs, ks, vs):
       return pp.mha_prefill(q, k, v, off, max_prompt_len=512, q_scale=qs, k_scale=ks,
                             v_scale=vs, interpret=False, backend="mosaic_gpu",
                             config=pp.MosaicConfig(options=options))
     return lower_for_h200(fn, S((1000, 8, 128), E4), S((1000, 2, 128), E4),
-                          S((1000, 2, 128), E4), S((5,), jnp.int32), S((), jnp.float32),
-                          S((2,), jnp.float32), S((4, 2), jnp.float32))
+                          S((1000, 2, 128), E4), S((batch + 1,), jnp.int32),
+                          S((), jnp.float32), S((2,), jnp.float32),
+                          S((batch, 2), jnp.float32))
 
-  calls = triton_calls(lowered(pp.MosaicOptions()))
-  assert [(c.name, c.grid, c.num_warps) for c in calls] == [
-      (VT_KERNEL, (1024 // 128, 2, 1), 4)]
+  for batch in (4, operands.VT_BATCH_LOOP + 1):  # offsets read in the kernel; live rows
+    calls = triton_calls(lowered(pp.MosaicOptions(), batch))
+    assert [(c.name, c.grid, c.num_warps) for c in calls] == [
+        (VT_KERNEL, (1024 // 128, 2, 1), 4)], batch
   assert not triton_calls(lowered(pp.MosaicOptions(fp8_vt_kernel=False)))
 
 
