@@ -110,6 +110,11 @@ class MosaicOptions:
       tile (bf16 with the folded scale, caps up to about 52.7; float16, whose P would
       flush small probabilities, FP8 and larger caps keep the running maximum). False:
       the running maximum.
+    soft_cap_scaled_q: with a soft cap, each unit's Q tile is multiplied by scale / cap
+      in shared memory once, before its first Q.K (rounded to bf16 there), so that the
+      scores go straight into tanh: one FMUL less per score (bf16 with the folded scale;
+      float16, whose small values would go subnormal, and FP8 keep the multiplication
+      per score). False: the multiplication per score.
   """
 
   dynamic: bool = True
@@ -124,10 +129,12 @@ class MosaicOptions:
   poly_exp2: int = 0
   fp8_vt_kernel: bool = True
   soft_cap_fixed_max: bool = True
+  soft_cap_scaled_q: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
-                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max"):
+                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
+                 "soft_cap_scaled_q"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -468,21 +468,24 @@ def test_mosaic_poly_exp2_fp8(kind):
                           config=pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4)))
 
 
-@pytest.mark.parametrize("cap,sign,dtype,sink,fixed", [
-    (30.0, -1, "bfloat16", False, True),  # every score near -cap: exp2 near 2**-86.6
-    (50.0, -1, "bfloat16", False, True),  # Gemma 2's cap: exp2 at the floor, 2**-120
-    (52.0, -1, "bfloat16", True, True), (52.0, 1, "bfloat16", False, True),  # 2**30 at top
-    (30.0, 1, "bfloat16", True, True),
-    (50.0, -1, "float16", False, True),  # float16: the running maximum
-    (100.0, -1, "bfloat16", False, True),  # a cap past the fixed maximum's range
-    (50.0, -1, "bfloat16", False, False),  # the option off
+@pytest.mark.parametrize("cap,sign,dtype,sink,options", [
+    (30.0, -1, "bfloat16", False, {}),  # every score near -cap: exp2 near 2**-86.6
+    (50.0, -1, "bfloat16", False, {}),  # Gemma 2's cap: exp2 at the floor, 2**-120
+    (52.0, -1, "bfloat16", True, {}), (52.0, 1, "bfloat16", False, {}),  # 2**30 at top
+    (30.0, 1, "bfloat16", True, {}),
+    (50.0, -1, "float16", False, {}),  # float16: the running maximum
+    (100.0, -1, "bfloat16", False, {}),  # a cap past the fixed maximum's range
+    (50.0, -1, "bfloat16", False, dict(soft_cap_fixed_max=False)),  # the option off
+    (30.0, 1, "bfloat16", True, dict(soft_cap_scaled_q=False)),  # scale / cap per score
+    (5.0, -1, "bfloat16", True, dict(soft_cap_scaled_q=False, soft_cap_fixed_max=False)),
+    (5.0, -1, "bfloat16", True, {}),  # a small cap: Q times its largest factor
 ], ids=str)
-def test_mosaic_soft_cap_fixed_max_extremes(cap, sign, dtype, sink, fixed):
-  """``MosaicOptions.soft_cap_fixed_max`` (the default) where it is tightest: scores that
-  all lie near -cap (their exp2 against the fixed maximum near the floor; a causal first
-  row sees a single such key) or near +cap (near the ceiling), with sinks, LSE, against
-  the float32 reference; where it does not serve (float16, cap 100, off) the running
-  maximum gives the same."""
+def test_mosaic_soft_cap_fixed_max_extremes(cap, sign, dtype, sink, options):
+  """``MosaicOptions.soft_cap_fixed_max`` and ``soft_cap_scaled_q`` (the defaults) where
+  they are tightest: scores that all lie near -cap (their exp2 against the fixed maximum
+  near the floor; a causal first row sees a single such key) or near +cap (near the
+  ceiling), with sinks, LSE, against the float32 reference; where they do not serve
+  (float16, cap 100, off) the running maximum and the scale per score give the same."""
   rng = np.random.default_rng(cases.fresh_seed())
   lens, heads, kv_heads, d = (1, 37, 300, 1029), 8, 2, 128
   total = sum(lens)
@@ -503,7 +506,7 @@ def test_mosaic_soft_cap_fixed_max_extremes(cap, sign, dtype, sink, fixed):
     kw["sink_weights"] = jnp.asarray(rng.standard_normal(heads) * 2 + sign * 40.0,
                                      jnp.float32)
   ref_out, ref_lse = pp.reference.mha_prefill_reference(*args, **kw)
-  config = pp.MosaicConfig(options=pp.MosaicOptions(soft_cap_fixed_max=fixed))
+  config = pp.MosaicConfig(options=pp.MosaicOptions(**options))
   poison_device_memory()
   out, lse = pp.mha_prefill(*args, config=config, backend="mosaic_gpu", interpret=False,
                             **kw)

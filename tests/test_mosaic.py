@@ -1038,6 +1038,23 @@ def test_soft_cap_fixed_max_reaches_the_kernel_only_where_it_holds():
   assert subf()
 
 
+def test_soft_cap_scaled_q_reaches_the_kernel_only_where_it_holds():
+  """``MosaicOptions.soft_cap_scaled_q`` (the default): the Q tile's load from shared
+  memory into registers (``kernel.scale_q``: ldmatrix, then Q times scale / cap stored
+  back) is in the lowered kernel with a soft cap in bf16, MHA and MLA, and absent with the
+  option off, in float16 (whose small values would go subnormal) and without a cap."""
+  def scaled(**kw):
+    return "nvvm.ldmatrix" in Lowered(**kw).lower().as_text()
+
+  off = pp.MosaicConfig(options=pp.MosaicOptions(soft_cap_scaled_q=False))
+  assert scaled(soft_cap=30.0)
+  assert scaled(soft_cap=50.0, lse=True, sink=True)
+  assert scaled(kind="mla", heads=4, kv_heads=4, head_dim=128, soft_cap=20.0)
+  assert not scaled(soft_cap=30.0, config=off)
+  assert not scaled(soft_cap=30.0, dtype="float16")
+  assert not scaled()
+
+
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)
 def test_default_config_lowers(problem):
   from tests.test_lowering import triton_calls  # pylint: disable=g-import-not-at-top

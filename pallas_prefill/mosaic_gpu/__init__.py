@@ -113,6 +113,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
                                                 block_table=block_table, top_left=top_left,
                                                 fp8=extra)
   num_items = inputs[0].shape[0]  # the work list's rows
+  capped_bf16 = (soft_cap is not None and config.options.fold_scale
+                 and v.dtype == jnp.bfloat16)
   spec = KernelSpec(
       parts=tuple(parts), n_q=len(q_ops), n_k=len(k_ops), dtype=v.dtype, v_depth=v_depth,
       has_sink=sink_weights is not None, has_lse=return_lse, mask=mask,
@@ -126,10 +128,11 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       keyless_units=config.options.keyless_units,
       poly_exp2=config.options.poly_exp2,
       # (bf16 only: P in float16 would flush the small probabilities of a row whose
-      # scores all lie far below the fixed maximum)
+      # scores all lie far below the fixed maximum, and Q times scale / cap its small
+      # values)
       fixed_max=fixed_maximum(soft_cap * LOG2_E) if (
-          soft_cap is not None and config.options.soft_cap_fixed_max
-          and config.options.fold_scale and v.dtype == jnp.bfloat16) else None,
+          capped_bf16 and config.options.soft_cap_fixed_max) else None,
+      scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:

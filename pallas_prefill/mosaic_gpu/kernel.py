@@ -127,7 +127,8 @@ class KernelSpec:
   (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
   ``MosaicOptions.poly_exp2``; fixed_max: None, or the soft-capped scores' fixed maximum
   (``fixed_maximum``, ``MosaicOptions.soft_cap_fixed_max``): no running maximum, no
-  rescale.
+  rescale; scaled_q: soft-capped, each unit's Q times scale / cap in shared memory
+  (``scale_q``, ``MosaicOptions.soft_cap_scaled_q``), the scores then tanh's argument.
   """
 
   parts: tuple
@@ -157,6 +158,7 @@ class KernelSpec:
   kv_unit: int = 8
   poly_exp2: int = 0
   fixed_max: float | None = None
+  scaled_q: bool = False
 
   @property
   def keyless_apart(self) -> bool:
@@ -478,7 +480,11 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
 
   def run(hw, base, fetch_next):
     item = read_item(spec, refs, units, hw, base)
-    wait_q = lambda: plgpu.barrier_wait(scratch.q_loaded.at[wg])  # noqa: E731
+    def wait_q():
+      plgpu.barrier_wait(scratch.q_loaded.at[wg])
+      if spec.scaled_q:
+        scale_q(spec, own["q"])
+
     if skip_keyless:
       # The barrier's phase lives in shared memory and moves only with a wait: skipping
       # the copy and the wait together keeps the next unit's wait on its own copy.
@@ -497,6 +503,18 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
 
   units.for_each_unit(run, load_q, units.take)
   plgpu.wait_smem_to_gmem(0)
+
+
+def scale_q(spec: KernelSpec, q_smem):
+  """Soft-capped scores (``KernelSpec.scaled_q``): this warpgroup's Q tile times
+  scale / cap in place, rounded to its dtype (bf16) once per unit, so that Q.K is tanh's
+  argument (``scaled_scores``); fenced for the matrix products, which read it through
+  the async proxy. The unit's loads are done, and the next unit's wait until its
+  products are."""
+  factor = spec.scale / spec.soft_cap  # (both times log2(e))
+  for qs in q_smem:
+    qs[...] = (qs[...].astype(jnp.float32) * factor).astype(qs.dtype)
+  plgpu.commit_smem()
 
 
 def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
@@ -608,10 +626,13 @@ def scaled_scores(spec, item: Item, s):
   left to the exponent's fused multiply-add (``online_softmax``; None: none left):
   (scores, fold). The row maximum commutes with a positive factor: the scale where it is
   positive, and with a soft cap the cap itself (tanh(s * scale / cap), then times cap
-  in the exponent: one FMUL, one MUFU tanh, one FFMA per score). FP8's scale is the
-  item's (traced): never folded."""
+  in the exponent: one FMUL, one MUFU tanh, one FFMA per score; with
+  ``KernelSpec.scaled_q`` Q holds scale / cap already, and the FMUL is gone). FP8's scale
+  is the item's (traced): never folded."""
   if spec.fp8:
     s = s * item.qk_scale
+  elif spec.scaled_q:  # Q already times scale / cap (``scale_q``)
+    return jnp.tanh(s), spec.soft_cap
   elif spec.fold_scale and spec.soft_cap is not None:
     # Mosaic GPU's approx_math makes this one tanh.approx.f32 (relative error ~2^-11): the
     # exact exp2 form (``logits.soft_capped``) costs two more MUFU operations per score,
