@@ -115,6 +115,11 @@ class MosaicOptions:
       scores go straight into tanh: one FMUL less per score (bf16 with the folded scale;
       float16, whose small values would go subnormal, and FP8 keep the multiplication
       per score). False: the multiplication per score.
+    fp8_p_registers: FP8's P.V takes P as its A operand from registers
+      (``primitives.fp8_a_operand``: each thread's quantized P relabelled in place into
+      the FP8 operand layout, and V^T's keys stored in that order by
+      ``operands.transposed_v``), instead of storing P to shared memory and fencing it
+      per KV tile. False: P through shared memory.
   """
 
   dynamic: bool = True
@@ -130,11 +135,12 @@ class MosaicOptions:
   fp8_vt_kernel: bool = True
   soft_cap_fixed_max: bool = True
   soft_cap_scaled_q: bool = True
+  fp8_p_registers: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
-                 "soft_cap_scaled_q"):
+                 "soft_cap_scaled_q", "fp8_p_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -18,7 +18,7 @@ import pytest
 
 import pallas_prefill as pp
 from pallas_prefill import fp8, logits, masks, mosaic_gpu, partitioning
-from pallas_prefill.mosaic_gpu import layout, operands
+from pallas_prefill.mosaic_gpu import layout, operands, primitives
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from tests import cases
 from tests import test_padded
@@ -554,7 +554,8 @@ def fp8_kernel_model(spec, inputs, out_type):
   rows [max(row, Q_START), Q_START + Q_LEN) over the keys [KV_START, KV_START + KV_LEN)
   of its sequence (``layout.SEQ``), the logits the sum of the parts' Q.K products times
   the softmax scale and the sequence's logit factor, V read from V^T times the
-  sequence's V scale; the LSE in each row's slot of the per-item buffer. Rows no item
+  sequence's V scale (V^T's columns in ``primitives.fp8_p_key``'s order with
+  ``spec.p_registers``); the LSE in each row's slot of the per-item buffer. Rows no item
   stores stay zeros."""
   assert spec.fp8 and spec.soft_cap is None and spec.page_size is None, spec
   it = iter(inputs)
@@ -564,6 +565,8 @@ def fp8_kernel_model(spec, inputs, out_type):
   q = [f64(next(it)) for _ in range(spec.n_q)]
   k = [f64(next(it)) for _ in range(spec.n_k)]
   vt, qk, vs = (f64(next(it)) for _ in range(3))
+  if spec.p_registers:  # V^T's columns in P's register order: back to the keys' order
+    vt = vt[..., np.argsort(primitives.fp8_p_key(np.arange(vt.shape[-1])))]
   out = np.zeros(out_type[0].shape)
   lse = np.full(out_type[1].shape, np.nan) if spec.has_lse else None
   rows, scale = layout.COMPUTE_WGS * spec.block_q, spec.scale / LOG2_E
@@ -644,6 +647,35 @@ def test_fp8_mosaic_operands_give_the_dequantized_reference(case, fp8_kernel_mod
   check_fp8_case(case, interpret=False, config=fp8_kernel_modelled, q_quantized=True)
 
 
+def _p_registers(config, on=True):
+  return dataclasses.replace(config, options=dataclasses.replace(config.options,
+                                                                 fp8_p_registers=on))
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["p_smem", "p_registers"])
+@pytest.mark.parametrize("case", [Fp8Case(), _MLA, dataclasses.replace(_PAGED, page_size=16)],
+                         ids=lambda c: c.name)
+def test_fp8_mosaic_operands_in_either_p_order(case, on, fp8_kernel_modelled):
+  """``MosaicOptions.fp8_p_registers`` either way: V^T as the kernel gets it (with the
+  option, its keys in P's register order), read back by the model."""
+  check_fp8_case(case, interpret=False, config=_p_registers(fp8_kernel_modelled, on),
+                 q_quantized=True)
+
+
+def test_fp8_p_registers_reach_the_kernel_only_when_asked():
+  """``MosaicOptions.fp8_p_registers``: P as an A operand from registers (the register
+  fence before the product) and no shared-memory store of P with the option, MHA and MLA;
+  the reverse without."""
+  from tests.test_mosaic import Lowered  # pylint: disable=g-import-not-at-top
+  on = pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=True))
+  fence, store = "nvvm.wgmma.fence.aligned", "llvm.store"
+  for kw in (dict(), dict(kind="mla", heads=4, kv_heads=4, scale_shape=(4,))):
+    with_p = Lowered(dtype="float8_e4m3fn", config=on, **kw).lower().as_text()
+    without = Lowered(dtype="float8_e4m3fn", **kw).lower().as_text()
+    assert fence in with_p and fence not in without, kw
+    assert store in without and store not in with_p, kw
+
+
 @pytest.mark.parametrize("q_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -691,7 +723,11 @@ def _vt_id(case):
   return f"{total_kv}x{heads}x{depth}-{kind}{batch}-bkv{block_kv}"
 
 
-def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda f: f):
+def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda f: f,
+              p_order=False):
+  """V^T from ``transposed_v``'s kernel bitwise equal to XLA's (``p_order``: both with
+  each 16 keys in ``primitives.fp8_p_key``'s order, checked by undoing it), its dead rows
+  zeroed and its live ones V's bytes."""
   rng = np.random.default_rng(seed)
   v = jnp.asarray(rng.normal(size=(total_kv, heads, depth)) * 100, E4)
   bits = np.array(jax.lax.bitcast_convert_type(v, jnp.uint8))
@@ -700,10 +736,16 @@ def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda
   off = jnp.asarray(offsets if offsets is not None else [0, total_kv], jnp.int32)
   kv_rows = None if ranges is None else tuple(jnp.asarray(r, jnp.int32) for r in ranges)
   got, want = (fn(functools.partial(operands.fp8_operands, block_kv=block_kv,
-                                    vt_kernel=k))(v, off, kv_rows, ())[0]
+                                    vt_kernel=k, p_order=p_order))(v, off, kv_rows, ())[0]
                for k in (True, False))
   u8 = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
   got, want = u8(got), u8(want)
+  if p_order:  # column c holds key fp8_p_key(c): back to the keys' order
+    def in_order(x):
+      out = np.empty_like(x)
+      out[..., primitives.fp8_p_key(np.arange(x.shape[-1]))] = x
+      return out
+    got, want = in_order(got), in_order(want)
   assert got.shape[:2] == (heads, depth) and got.shape[2] % operands.VT_KEYS == 0
   assert got.shape[2] >= max(total_kv, block_kv)
   np.testing.assert_array_equal(got[..., :want.shape[2]], want)
@@ -718,11 +760,12 @@ def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda
                                 bits.transpose(1, 2, 0)[..., live])
 
 
+@pytest.mark.parametrize("p_order", [False, True], ids=["keys", "p_order"])
 @pytest.mark.parametrize("case", VT_CASES, ids=_vt_id)
-def test_fp8_transposed_v_matches_xla(case, monkeypatch):
+def test_fp8_transposed_v_matches_xla(case, p_order, monkeypatch):
   monkeypatch.setattr(operands, "transposed_v",
                       functools.partial(operands.transposed_v, interpret=True))
-  _vt_check(*case, seed=case[0])
+  _vt_check(*case, seed=case[0], p_order=p_order)
 
 
 def test_fp8_transposed_v_jitted_with_traced_offsets(monkeypatch):
@@ -988,9 +1031,10 @@ def _poison():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("p_order", [False, True], ids=["keys", "p_order"])
 @pytest.mark.parametrize("case", VT_CASES, ids=_vt_id)
-def test_fp8_compiled_transposed_v_matches_xla(case):
-  _vt_check(*case, seed=case[0], fn=jax.jit)
+def test_fp8_compiled_transposed_v_matches_xla(case, p_order):
+  _vt_check(*case, seed=case[0], fn=jax.jit, p_order=p_order)
 
 
 @pytest.mark.gpu
@@ -1011,6 +1055,17 @@ def test_fp8_compiled_write_kv_then_prefill(kind):
 def test_fp8_compiled_padded_matches_the_dequantized_reference(case, dtype, q_dtype,
                                                                scale_shape):
   check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES
+                                  if c.dtype == "float8_e4m3fn"], ids=lambda c: c.name)
+def test_fp8_compiled_mosaic_gpu_p_registers(case):
+  """``MosaicOptions.fp8_p_registers``: P.V's A operand from registers, V^T's keys in
+  its order, on every FP8 e4m3 case Mosaic GPU serves."""
+  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
+                 config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=True)),
+                 q_quantized=True)
 
 
 # Mosaic GPU on what it serves since FP8 pages and FP8 KV caches under a bf16/f16 q came

@@ -105,7 +105,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
   extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, block_kv=config.block_kv,
-                               vt_kernel=config.options.fp8_vt_kernel) if fp8 else None
+                               vt_kernel=config.options.fp8_vt_kernel,
+                               p_order=config.options.fp8_p_registers) if fp8 else None
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,
@@ -133,6 +134,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       fixed_max=fixed_maximum(soft_cap * LOG2_E) if (
           capped_bf16 and config.options.soft_cap_fixed_max) else None,
       scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
+      p_registers=fp8 and config.options.fp8_p_registers,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:

@@ -128,7 +128,9 @@ class KernelSpec:
   ``MosaicOptions.poly_exp2``; fixed_max: None, or the soft-capped scores' fixed maximum
   (``fixed_maximum``, ``MosaicOptions.soft_cap_fixed_max``): no running maximum, no
   rescale; scaled_q: soft-capped, each unit's Q times scale / cap in shared memory
-  (``scale_q``, ``MosaicOptions.soft_cap_scaled_q``), the scores then tanh's argument.
+  (``scale_q``, ``MosaicOptions.soft_cap_scaled_q``), the scores then tanh's argument;
+  p_registers: FP8's P.V takes P from registers (``primitives.fp8_a_operand``, V^T's keys
+  in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory.
   """
 
   parts: tuple
@@ -159,6 +161,7 @@ class KernelSpec:
   poly_exp2: int = 0
   fixed_max: float | None = None
   scaled_q: bool = False
+  p_registers: bool = False
 
   @property
   def keyless_apart(self) -> bool:
@@ -245,7 +248,8 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       out_dtype=spec.out_dtype, out_buffers=spec.out_buffers, has_lse=spec.has_lse,
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
-      paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1)
+      paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
+      p_smem=not spec.p_registers)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -455,7 +459,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
   q_fill = [fill.at[wg] for fill, _ in scratch.q]
   own = dict(q=[tiled.at[wg] for _, tiled in scratch.q], o=[o.at[wg] for o in scratch.o],
              lse=scratch.lse.at[wg] if spec.has_lse else None,
-             p=scratch.p.at[wg] if spec.fp8 else None)
+             p=scratch.p.at[wg] if scratch.p is not None else None)
 
   skip_keyless = spec.skip_keyless_q or spec.keyless_apart
 
@@ -615,7 +619,7 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry
     s = mask_scores(spec, item, i, s)
   acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
   if spec.fp8:
-    acc, l_i, m_new = pv_fp8(scratch, turns, i, slot, acc, l_i, m_new, p, p_smem)
+    acc, l_i, m_new = pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem)
   else:
     acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
   return acc, m_new, l_i
@@ -710,20 +714,26 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   return acc, l_i, m_new, p, p.astype(spec.dtype)  # the matrix products' input dtype
 
 
-def pv_fp8(scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
-  """FP8's acc += P.V of KV tile i: P quantized to e4m3 into this warpgroup's shared-memory
-  buffer (an FP8 A operand must be K-major, which the accumulator's register layout is
-  not), then one product per 64 columns of V from V^T, in this warpgroup's turn; releases
-  its V slot. The previous tile's products are done (their accumulators were read), so
-  the buffer is free. Returns (acc, l, m_new)."""
+def pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
+  """FP8's acc += P.V of KV tile i: P quantized to e4m3, then one product per 64 columns
+  of V from V^T, in this warpgroup's turn; releases its V slot. P is the A operand from
+  registers with ``KernelSpec.p_registers`` (``primitives.fp8_a_operand``: its columns
+  relabelled, V^T's keys in that order), else from this warpgroup's shared-memory buffer
+  (the accumulator's layout is not an FP8 A operand's), stored and fenced per tile (the
+  previous tile's products are done, their accumulators read: the buffer is free).
+  Returns (acc, l, m_new)."""
   l_i = l_i + p.sum(axis=1)
-  p_smem[...] = p.astype(p_smem.dtype)
-  plgpu.commit_smem()
+  if spec.p_registers:
+    a = primitives.fp8_a_operand(p.astype(spec.dtype))
+  else:
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+    a = p_smem
   turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
 
   def products(acc_refs):
     for acc_ref, (_, vts) in zip(acc_refs, scratch.v):
-      plgpu.wgmma(acc_ref, p_smem, vts.at[slot(i)].transpose((1, 0)))
+      plgpu.wgmma(acc_ref, a, vts.at[slot(i)].transpose((1, 0)))
 
   acc = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in acc))
   plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])

@@ -122,12 +122,13 @@ def live_rows(q_offsets, kv_rows, total_kv):
   return jnp.cumsum(marks)[:total_kv] > 0
 
 
-def _vt_kernel(*refs, batch, total_kv, bounds):
-  """One program: keys [r0, r0 + VT_KEYS) of one K/V head, read as [keys, depth] bytes
-  where some sequence's [start, end) holds them (``live_rows``' rule) and zero elsewhere,
-  stored as [depth, keys]. ``bounds``: "offsets" (the chained offsets, read here),
-  "ranges" (K/V starts and ends, read here) or "live" (``live_rows`` as int32, padded
-  with zeros to the columns)."""
+def _vt_kernel(*refs, batch, total_kv, bounds, p_order):
+  """One program: keys [r0, r0 + VT_KEYS) of one K/V head (``p_order``: stored in
+  ``key_ordered``'s order), read as
+  [keys, depth] bytes where some sequence's [start, end) holds them (``live_rows``' rule)
+  and zero elsewhere, stored as [depth, keys]. ``bounds``: "offsets" (the chained
+  offsets, read here), "ranges" (K/V starts and ends, read here) or "live"
+  (``live_rows`` as int32, padded with zeros to the columns)."""
   *ins, v_ref, vt_ref = refs
   r0 = pl.program_id(0) * VT_KEYS
   h = pl.program_id(1)
@@ -144,10 +145,23 @@ def _vt_kernel(*refs, batch, total_kv, bounds):
   else:
     live = lax.fori_loop(0, batch, seq, jnp.zeros((VT_KEYS,), jnp.bool_))
   x = plt.load(v_ref.at[pl.ds(r0, VT_KEYS), h, :], mask=live[:, None], other=0)
-  plt.store(vt_ref.at[h, :, pl.ds(r0, VT_KEYS)], jnp.where(live[:, None], x, 0).T)
+  vt = jnp.where(live[:, None], x, 0).T
+  if p_order:
+    vt = key_ordered(vt)
+  plt.store(vt_ref.at[h, :, pl.ds(r0, VT_KEYS)], vt)
 
 
-def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
+def key_ordered(vt):
+  """V^T [..., cols] (cols a multiple of 16) with each 16 columns in
+  ``primitives.fp8_p_key``'s order: column 4q + 2a + b of a 16 takes key 8a + 2q + b (a
+  reshape and a transpose, for XLA and inside the Triton-lowered kernel alike)."""
+  *lead, cols = vt.shape
+  n = len(lead)
+  vt = vt.reshape(*lead, cols // 16, 2, 4, 2)
+  return vt.transpose(*range(n + 1), n + 2, n + 1, n + 3).reshape(*lead, cols)
+
+
+def transposed_v(v, q_offsets, kv_rows, cols, *, p_order=False, interpret=False):
   """V^T [num_kv_heads, v_depth, cols] (cols a multiple of ``VT_KEYS``, at least
   v.shape[0]) from V [rows, num_kv_heads, v_depth] (1-byte elements, the depth a power of
   two), its rows that are no sequence's keys (``live_rows``: from ``kv_rows``, or the
@@ -157,7 +171,8 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
   Up to ``VT_BATCH_LOOP`` sequences each program reads the offsets (or ranges) itself;
   beyond, XLA's ``live_rows`` (a loop over every sequence per program would cost more).
   Bytes move as uint8 (FP8 bit patterns, NaN ones included, pass unchanged; a zeroed row
-  is +0.0)."""
+  is +0.0). ``p_order``: the keys of each 16 columns in ``primitives.fp8_p_key``'s order
+  (P's register operand's, ``MosaicOptions.fp8_p_registers``)."""
   total_kv, num_kv_heads, depth = v.shape
   assert cols % VT_KEYS == 0 and cols >= total_kv, (cols, total_kv)
   bits = lax.bitcast_convert_type(v, jnp.uint8)
@@ -175,7 +190,8 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
   varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (*ins, bits)))
   out = jax.ShapeDtypeStruct((num_kv_heads, depth, cols), jnp.uint8,
                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-  kernel = functools.partial(_vt_kernel, batch=batch, total_kv=total_kv, bounds=kind)
+  kernel = functools.partial(_vt_kernel, batch=batch, total_kv=total_kv, bounds=kind,
+                             p_order=p_order)
   vt = pl.pallas_call(
       kernel, grid=(cols // VT_KEYS, num_kv_heads),
       in_specs=[pl.no_block_spec] * (len(ins) + 1), out_specs=pl.no_block_spec,
@@ -185,7 +201,8 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, interpret=False):
   return lax.bitcast_convert_type(vt, v.dtype)
 
 
-def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True):
+def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True,
+                 p_order=False):
   """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
   multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
   sequence's keys zeroed (padding and rows past the batch's last key may hold anything,
@@ -194,16 +211,17 @@ def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True):
   (``layout.SEQ``). An FP8 matrix product reads its B operand K-major (the keys along a
   row): with ``vt_kernel`` (``MosaicOptions.fp8_vt_kernel``) and a depth that is a power of
   two, ``transposed_v``'s kernel (rows a multiple of ``VT_KEYS``), else one XLA
-  transpose."""
+  transpose. ``p_order``: V^T's keys in ``primitives.fp8_p_key``'s order within each 16
+  (P from registers, ``MosaicOptions.fp8_p_registers``)."""
   total_kv, _, depth = v.shape
   if vt_kernel and depth & (depth - 1) == 0:
     cols = -(-max(total_kv, block_kv) // VT_KEYS) * VT_KEYS
-    return (transposed_v(v, q_offsets, kv_rows, cols), *scales)
+    return (transposed_v(v, q_offsets, kv_rows, cols, p_order=p_order), *scales)
   live = live_rows(q_offsets, kv_rows, total_kv)
   vt = jnp.transpose(jnp.where(live[:, None, None], v, jnp.zeros((), v.dtype)), (1, 2, 0))
   rows = max(-(-total_kv // 16) * 16, block_kv)
   vt = jnp.pad(vt, [(0, 0), (0, 0), (0, rows - total_kv)])
-  return (vt, *scales)
+  return (key_ordered(vt) if p_order else vt, *scales)
 
 
 def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_lse,

@@ -127,6 +127,44 @@ def exp2_fma(s, scale: float, neg_m, *, poly_eighths: int = 0):
   return fma_exp2(s, neg_m)
 
 
+def fp8_p_key(c):
+  """The key that column c (int32, any shape; NumPy or traced) of ``fp8_a_operand``'s P
+  holds, and so V^T's column c (``operands.transposed_v(..., p_order=True)``): column
+  4q + 2a + b of each 16 holds key 8a + 2q + b of those 16. Arithmetic only: a Pallas
+  kernel captures no array constants."""
+  q, a, b = (c % 16) // 4, (c % 4) // 2, c % 2
+  return c - c % 16 + 8 * a + 2 * q + b
+
+
+def fp8_a_operand(p8):
+  """P [64, cols] FP8 in the WGMMA (accumulator) layout as an FP8 matrix product's A
+  operand in registers (``WGMMA_LAYOUT_8BIT``: each thread holds 4 consecutive columns of
+  each 16), with no data movement: in each 16-column group a thread's 2 columns at 2q and
+  its 2 at 8 + 2q become its 4 at 4q, so that column c holds key ``fp8_p_key(c)``. P.V
+  sums over the keys, so V^T's columns in that order (``operands.transposed_v(...,
+  p_order=True)``) give the same product. FlashAttention-3 moves the bytes instead (a
+  shuffle between threads and a byte permute)."""
+  rows, cols = p8.shape
+  assert rows == 64 and cols % 16 == 0, p8.shape
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
+                                                        layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(_, x):
+    src = x.registers  # [1, cols / 8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2 x f8>
+    assert src.shape == mgpu.WGMMA_LAYOUT.registers_shape(p8.shape), src.shape
+    dst_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape)  # cols / 16 groups
+    src = src.reshape(cols // 16, 2, 2)  # (16-column group, 8-column half, row half)
+    dst = np.empty((cols // 16, 2), dtype=object)
+    for g in range(cols // 16):
+      for h in range(2):
+        dst[g, h] = vector.shuffle(src[g, 0, h], src[g, 1, h], [0, 1, 2, 3])
+    return mgpu.FragmentedArray(_registers=dst.reshape(dst_shape),
+                                _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+  return relabel(p8)
+
+
 def claim(scalar_ref, unit_smem, slot, dealt):
   """One thread of the warpgroup writes the next unit to ``unit_smem[slot]``: ``dealt``
   where it is not negative, else the one it takes from the global counter (an atomic add

@@ -41,8 +41,8 @@ class Scratch:
     v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled); FP8:
       of V transposed, [lanes * num_stages, 64, block_kv] (FP8 matrix products read both
       operands K-major: the keys, P.V's contraction, along a row).
-    p: FP8 only (else None): P quantized, [COMPUTE_WGS, block_q, block_kv], P.V's A
-      operand from shared memory.
+    p: FP8 only (else None, and None where P stays in registers): P quantized,
+      [COMPUTE_WGS, block_q, block_kv], P.V's A operand from shared memory.
     o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
     lse: [COMPUTE_WGS, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
@@ -68,11 +68,12 @@ class Scratch:
 
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
-            pages: int, paged: bool, one_v_copy: bool = False) -> Scratch:
+            pages: int, paged: bool, one_v_copy: bool = False, p_smem: bool = True) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
-  ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``)."""
+  ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
+  P goes through shared memory (False: from registers, no buffer)."""
   lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -101,7 +102,7 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       q=[chunk_buffer((L.COMPUTE_WGS, block_q, L.CHUNK)) for _ in range(chunks)],
       k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
       v=[chunk_buffer(v_shape) for _ in range(v_chunks)],
-      p=tiled((L.COMPUTE_WGS, block_q, block_kv)) if fp8 else None,
+      p=tiled((L.COMPUTE_WGS, block_q, block_kv)) if fp8 and p_smem else None,
       o=[plgpu.SMEM((L.COMPUTE_WGS, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
       lse=plgpu.SMEM((L.COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
