@@ -114,12 +114,16 @@ class MosaicOptions:
       in shared memory once, before its first Q.K (rounded to bf16 there), so that the
       scores go straight into tanh: one FMUL less per score (bf16 with the folded scale;
       float16, whose small values would go subnormal, and FP8 keep the multiplication
-      per score). False: the multiplication per score.
+      per score): on the H200 1.028x / 1.005x the capped call (MHA equal4x4096 /
+      skew16_16k; BUILD_NOTES.md, twenty-third session), relative error 3.1e-3 against
+      2.5e-3. False: the multiplication per score.
     fp8_p_registers: FP8's P.V takes P as its A operand from registers
       (``primitives.fp8_a_operand``: each thread's quantized P relabelled in place into
       the FP8 operand layout, and V^T's keys stored in that order by
       ``operands.transposed_v``), instead of storing P to shared memory and fencing it
-      per KV tile. False: P through shared memory.
+      per KV tile: 1.085x the FP8 call on the H200 (MHA equal4x4096, skew16_16k,
+      short64; MLA 1.085x-1.087x; BUILD_NOTES.md, twenty-third session). False: P
+      through shared memory.
   """
 
   dynamic: bool = True
@@ -135,7 +139,7 @@ class MosaicOptions:
   fp8_vt_kernel: bool = True
   soft_cap_fixed_max: bool = True
   soft_cap_scaled_q: bool = True
-  fp8_p_registers: bool = False
+  fp8_p_registers: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",

@@ -662,16 +662,16 @@ def test_fp8_mosaic_operands_in_either_p_order(case, on, fp8_kernel_modelled):
                  q_quantized=True)
 
 
-def test_fp8_p_registers_reach_the_kernel_only_when_asked():
-  """``MosaicOptions.fp8_p_registers``: P as an A operand from registers (the register
-  fence before the product) and no shared-memory store of P with the option, MHA and MLA;
-  the reverse without."""
+def test_fp8_p_registers_reach_the_kernel_only_where_asked():
+  """``MosaicOptions.fp8_p_registers`` (the default): P as an A operand from registers
+  (the register fence before the product) and no shared-memory store of P, MHA and MLA;
+  the reverse with the option off."""
   from tests.test_mosaic import Lowered  # pylint: disable=g-import-not-at-top
-  on = pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=True))
+  off = pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=False))
   fence, store = "nvvm.wgmma.fence.aligned", "llvm.store"
   for kw in (dict(), dict(kind="mla", heads=4, kv_heads=4, scale_shape=(4,))):
-    with_p = Lowered(dtype="float8_e4m3fn", config=on, **kw).lower().as_text()
-    without = Lowered(dtype="float8_e4m3fn", **kw).lower().as_text()
+    with_p = Lowered(dtype="float8_e4m3fn", **kw).lower().as_text()
+    without = Lowered(dtype="float8_e4m3fn", config=off, **kw).lower().as_text()
     assert fence in with_p and fence not in without, kw
     assert store in without and store not in with_p, kw
 
@@ -1058,13 +1058,15 @@ def test_fp8_compiled_padded_matches_the_dequantized_reference(case, dtype, q_dt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on", [True, False], ids=["p_registers", "p_smem"])
 @pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES
                                   if c.dtype == "float8_e4m3fn"], ids=lambda c: c.name)
-def test_fp8_compiled_mosaic_gpu_p_registers(case):
-  """``MosaicOptions.fp8_p_registers``: P.V's A operand from registers, V^T's keys in
-  its order, on every FP8 e4m3 case Mosaic GPU serves."""
+def test_fp8_compiled_mosaic_gpu_p_order(case, on):
+  """``MosaicOptions.fp8_p_registers`` both ways (P.V's A operand from registers, V^T's
+  keys in its order, the default; P through shared memory) on every FP8 e4m3 case
+  Mosaic GPU serves."""
   check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
-                 config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=True)),
+                 config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=on)),
                  q_quantized=True)
 
 
