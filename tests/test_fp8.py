@@ -1057,6 +1057,30 @@ def test_fp8_compiled_padded_matches_the_dequantized_reference(case, dtype, q_dt
   check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison)
 
 
+def test_fp8_scale_folds_into_the_exponent_only_where_it_may():
+  """FP8's logit factor (the item's scales times the softmax scale) goes into the
+  exponent's fused multiply-add (``KernelSpec.fold_fp8``: ``math.fma`` in the lowered
+  kernel) by default, MHA and MLA; not with ``fold_scale=False``, a soft cap (tanh needs
+  the scaled logits) or a softmax scale <= 0 (the row maximum would not commute)."""
+  from tests.test_mosaic import Lowered  # pylint: disable=g-import-not-at-top
+
+  def folded(**kw):
+    return "math.fma" in Lowered(dtype="float8_e4m3fn", **kw).lower().as_text()
+
+  def spec(**kw):
+    return mosaic_gpu.KernelSpec(
+        parts=(), n_q=1, n_k=1, dtype=jnp.dtype(jnp.float8_e4m3fn), v_depth=128,
+        has_sink=False, has_lse=False, mask=masks.CausalMask(), block_q=64, block_kv=128,
+        num_stages=2, group=1, num_heads=1, out_dtype=jnp.dtype(jnp.bfloat16),
+        out_buffers=2, dynamic=True, **kw)
+
+  assert folded() and folded(kind="mla", heads=4, kv_heads=4, scale_shape=(4,))
+  assert not folded(config=pp.MosaicConfig(options=pp.MosaicOptions(fold_scale=False)))
+  assert spec(scale=0.1).fold_fp8 and not spec(scale=0.1, fold_scale=False).fold_fp8
+  assert not spec(scale=-0.1).fold_fp8 and not spec(scale=0.0).fold_fp8
+  assert not spec(scale=0.1, soft_cap=30.0).fold_fp8
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("on", [True, False], ids=["p_registers", "p_smem"])
 @pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES

@@ -67,6 +67,7 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -78,6 +79,8 @@ from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
 from pallas_prefill.mosaic_gpu.schedule import (ALL_HEADS, dealt_unit, num_local_units,
                                                 num_units, unit_of)
+
+FP32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 # FP8: P is quantized as 2**P_BIAS times its value (at most 256 of e4m3's 448), which keeps
 # small probabilities out of e4m3's subnormals; the running sum carries the same factor.
@@ -162,6 +165,13 @@ class KernelSpec:
   fixed_max: float | None = None
   scaled_q: bool = False
   p_registers: bool = False
+
+  @property
+  def fold_fp8(self) -> bool:
+    """FP8 logits' factor (the item's scales times the softmax scale) folded into the
+    exponent's fused multiply-add, as bf16's scale (``MosaicOptions.fold_scale``): where
+    the softmax scale is positive and no soft cap needs the scaled logits first."""
+    return self.fp8 and self.fold_scale and self.scale > 0 and self.soft_cap is None
 
   @property
   def keyless_apart(self) -> bool:
@@ -540,8 +550,14 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
     kv_head = lax.div(h, jnp.int32(spec.group))
     # (The rows past the last offset are one more "sequence", keyless: clamped.)
     seq = jnp.minimum(meta(L.SEQ), refs.qk_scale.shape[0] - 1)
-    scales = dict(qk_scale=refs.qk_scale[seq, kv_head] * spec.scale,
-                  v_scale=refs.v_scale[seq, kv_head])
+    qk_scale = refs.qk_scale[seq, kv_head] * spec.scale
+    if spec.fold_fp8:
+      # Folded into the exponent, the factor must be positive, for the row maximum to
+      # commute with it (the call refuses scales <= 0 where they are concrete; a traced
+      # one is clamped, as garbage offsets are): a normal float, since -inf (a masked
+      # score) times 0 is NaN.
+      qk_scale = jnp.maximum(qk_scale, FP32_TINY)
+    scales = dict(qk_scale=qk_scale, v_scale=refs.v_scale[seq, kv_head])
   return Item(h=h, w=w, half=half, item_lo=item_lo, item_hi=item_hi, t_lo=t_lo, u_lo=u_lo,
               u_hi=u_hi, t_hi=t_hi, row=row, first=first, n_rows=n_rows, row_pos=row_pos,
               kv_start=kv_start, kv_len=kv_len, kv_row=kv_row, kv_last=kv_last, base=base,
@@ -631,8 +647,11 @@ def scaled_scores(spec, item: Item, s):
   (scores, fold). The row maximum commutes with a positive factor: the scale where it is
   positive, and with a soft cap the cap itself (tanh(s * scale / cap), then times cap
   in the exponent: one FMUL, one MUFU tanh, one FFMA per score; with
-  ``KernelSpec.scaled_q`` Q holds scale / cap already, and the FMUL is gone). FP8's scale
-  is the item's (traced): never folded."""
+  ``KernelSpec.scaled_q`` Q holds scale / cap already, and the FMUL is gone). FP8's
+  factor is the item's (traced: ``Item.qk_scale``), folded where ``KernelSpec.fold_fp8``
+  (then clamped positive)."""
+  if spec.fp8 and spec.fold_fp8:
+    return s, item.qk_scale
   if spec.fp8:
     s = s * item.qk_scale
   elif spec.scaled_q:  # Q already times scale / cap (``scale_q``)
@@ -686,12 +705,17 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   None, the scores' last factor ``scaled_scores`` left, folded into the exponent: one
   FFMA per score); the accumulators and the running sum rescaled to the new maximum
   (with ``KernelSpec.fixed_max``, soft-capped scores, the maximum stays m_i: no rescale).
-  Returns (acc, l, m_new, p, p in the input dtype). FP8 (never folded): the maximum kept
-  is P_BIAS less, so that P is 2**P_BIAS times its value (at most 256). With
+  Returns (acc, l, m_new, p, p in the input dtype). FP8 (its fold the item's traced
+  factor): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value (at
+  most 256). With
   ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
   (``primitives.exp2_fma``)."""
   poly = dict(poly_eighths=spec.poly_exp2)
-  if spec.fp8:
+  if spec.fp8 and fold is not None:
+    # (the item's factor, clamped to a positive normal float: ``read_item``)
+    m_new = jnp.maximum(m_i, s.max(axis=1) * fold - P_BIAS)
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
+  elif spec.fp8:
     m_new = jnp.maximum(m_i, s.max(axis=1) - P_BIAS)
     if spec.poly_exp2:
       p = primitives.exp2_fma(s, 1.0, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)

@@ -92,23 +92,27 @@ def _per_element(fn, reg):
   return result
 
 
-def exp2_fma(s, scale: float, neg_m, *, poly_eighths: int = 0):
-  """exp2(s * scale + neg_m) for scores s [rows, cols] in the WGMMA layout and neg_m
-  [rows, cols] (a row vector broadcast): one fused multiply-add and one ``ex2.approx``
+def exp2_fma(s, scale, neg_m, *, poly_eighths: int = 0):
+  """exp2(s * scale + neg_m) for scores s [rows, cols] in the WGMMA layout, a scale (a
+  Python float, or a traced float32 scalar: FP8's per-item factor) and neg_m [rows, cols]
+  (a row vector broadcast): one fused multiply-add and one ``ex2.approx``
   per element (Mosaic GPU emits a multiplication and an addition as two instructions).
   ``poly_eighths`` of every 8 of a thread's registers (each 2 scores) take the polynomial
   exp2 on the FMA pipes instead (``POLY_EXP2_COEFFS``), which relieves the MUFU unit
   where it, not the tensor cores, is the limit (a soft cap's tanh); 0 to 8, as
   ``MosaicOptions.poly_exp2`` checks it."""
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+  traced = not isinstance(scale, (int, float))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA)
+                     + ((plgpu.Layout.WG_SPLAT,) if traced else ()),
                      return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32,
                                                         layout=plgpu.Layout.WGMMA))
-  def fma_exp2(_, x, b):
+  def fma_exp2(_, x, b, *factor):
     f32 = ir.F32Type.get()
 
     def fma(a, c):
-      k = arith.constant(f32, scale)
+      k = factor[0].registers[()] if traced else arith.constant(f32, float(scale))
       if isinstance(a.type, ir.VectorType):
         k = vector.broadcast(a.type, k)
       return mlir_math.fma(a, k, c)
@@ -124,7 +128,7 @@ def exp2_fma(s, scale: float, neg_m, *, poly_eighths: int = 0):
       regs[idx] = poly(reg) if n % 8 < poly_eighths else exact(reg)
     return mgpu.FragmentedArray(_registers=regs, _layout=y.layout, _is_signed=None)
 
-  return fma_exp2(s, neg_m)
+  return fma_exp2(s, neg_m, *([jnp.asarray(scale, jnp.float32)] if traced else []))
 
 
 def fp8_p_key(c):
