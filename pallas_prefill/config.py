@@ -69,7 +69,9 @@ class MosaicOptions:
       sizes and no LSE is asked for; False: always XLA's.
     fold_scale: the softmax scale folded into its exponent (one FFMA per score) where the
       scale is positive, and with a soft cap the cap (the scale then goes into tanh's
-      argument); False: separate multiplications.
+      argument); in FP8 the logits' factor (the item's scales times a positive softmax
+      scale, without a soft cap: 1.05x-1.10x the FP8 call on the H200, twenty-third
+      session); False: separate multiplications.
     tile_spans_pages: native paged KV tiles larger than a page read consecutive pages (a
       TMA copy from each); False cuts ``block_kv`` to the page.
     skip_keyless_q: a unit with no KV tile (the padding rows of ``dot_product_attention``,
