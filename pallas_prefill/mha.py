@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import partitioning

@@ -95,6 +95,14 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
   return wrapped(*leaves)
 
 
+def output_struct(inputs, shape, dtype) -> jax.ShapeDtypeStruct:
+  """A kernel output's type: inside ``shard_map`` it varies over the mesh axes that any of
+  the kernel's ``inputs`` varies over (a ``pallas_call``'s out_shape must say so)."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
 def _may_partition() -> bool:
   """Whether the program being traced can span several devices. A single-device program
   (and ahead-of-time lowering for one abstract device, where custom_partitioning cannot

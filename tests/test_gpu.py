@@ -12,7 +12,6 @@ import pytest
 
 import pallas_prefill as pp
 from pallas_prefill import masks
-from pallas_prefill.mosaic_gpu import schedule, smem
 from tests import cases, test_work_items
 from tests.test_paged import PAGED_CASES, with_kv_lens
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_prefill import fp8
+from pallas_prefill import fp8, partitioning
 from pallas_prefill.config import MosaicConfig
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import schedule
@@ -186,10 +185,7 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, p_order=False, interpret=False)
   else:
     kind = "offsets" if kv_rows is None else "ranges"
     ins = [q_offsets] if kv_rows is None else list(kv_rows)
-  # Inside shard_map the output varies over the mesh axes the inputs vary over.
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in (*ins, bits)))
-  out = jax.ShapeDtypeStruct((num_kv_heads, depth, cols), jnp.uint8,
-                             manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  out = partitioning.output_struct((*ins, bits), (num_kv_heads, depth, cols), jnp.uint8)
   kernel = functools.partial(_vt_kernel, batch=batch, total_kv=total_kv, bounds=kind,
                              p_order=p_order)
   vt = pl.pallas_call(

@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_prefill import partitioning
 from pallas_prefill.config import MhaConfig, default_config
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 from pallas_prefill.logits import soft_capped
@@ -312,13 +312,10 @@ def ragged_attention_triton(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *
   inputs += [sink_weights] if sink_weights is not None else []
   inputs += list(scales) if scales is not None else []
   inputs += [*q_ops, *k_ops, v]
-  # Inside shard_map the outputs vary over the mesh axes any input varies over.
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
-  sds = functools.partial(jax.ShapeDtypeStruct,
-                          manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-  out_shape = [sds((total_q, num_heads, v.shape[-1]), output_dtype)]
+  out_shape = [partitioning.output_struct(inputs, (total_q, num_heads, v.shape[-1]),
+                                         output_dtype)]
   if return_lse:
-    out_shape.append(sds((total_q, num_heads), jnp.float32))
+    out_shape.append(partitioning.output_struct(inputs, (total_q, num_heads), jnp.float32))
   out, *lse = pl.pallas_call(
       kernel,
       grid=(num_heads, num_tiles, batch),
