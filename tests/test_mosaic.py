@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import jax
@@ -1053,6 +1054,49 @@ def test_soft_cap_scaled_q_reaches_the_kernel_only_where_it_holds():
   assert not scaled(soft_cap=30.0, config=off)
   assert not scaled(soft_cap=30.0, dtype="float16")
   assert not scaled()
+
+
+def _element_owners(layout, shape):
+  """{(thread, register index, vector lane): (row, column)} for a 2-D array of `shape` in
+  a Mosaic GPU ``TiledLayout``: the array's indices tiled by each of the layout's tiles in
+  turn (the last dims of the shape so far split into (count, tile), counts first), then
+  the warp, lane and vector dims of the tiled shape picked out (the first lane dim the
+  most significant)."""
+  x = np.arange(math.prod(shape)).reshape(shape)
+  for tile in layout.tiling.tiles:
+    k, lead = len(tile), x.shape[:-len(tile)]
+    x = x.reshape(*lead, *(n for d, t in zip(x.shape[-k:], tile) for n in (d // t, t)))
+    n = len(lead)
+    x = x.transpose(*range(n), *range(n, n + 2 * k, 2), *range(n + 1, n + 2 * k, 2))
+  assert x.shape == layout.tiling.tile_shape(shape), x.shape
+  dims = lambda ds: [d % x.ndim for d in ds]  # noqa: E731
+  warps, lanes, vec = dims(layout.warp_dims), dims(layout.lane_dims), layout.vector_dim % x.ndim
+  owners = {}
+  for idx in np.ndindex(*x.shape):
+    warp = np.ravel_multi_index([idx[d] for d in warps], [x.shape[d] for d in warps])
+    lane = np.ravel_multi_index([idx[d] for d in lanes], [x.shape[d] for d in lanes])
+    reg = tuple(0 if d in warps + lanes + [vec] else i for d, i in enumerate(idx))
+    owners[(int(warp) * 32 + int(lane), reg, idx[vec])] = divmod(int(x[idx]), shape[1])
+  return owners
+
+
+@pytest.mark.parametrize("cols", [64, 128])
+def test_fp8_a_operand_relabels_p_into_the_keys_of_fp8_p_key(cols):
+  """``primitives.fp8_a_operand``'s no-move relabelling, element by element against the
+  installed jax's layouts: the 8-bit A-operand register it builds from two WGMMA-layout
+  registers of the same thread holds, in its lane j, the element of the same row whose
+  column (key) is ``fp8_p_key`` of the column that lane stands for in the 8-bit layout;
+  every 8-bit register and lane is built once."""
+  from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+  shape = (64, cols)
+  src = _element_owners(mgpu.WGMMA_LAYOUT, shape)
+  dst = _element_owners(mgpu.WGMMA_LAYOUT_8BIT, shape)
+  pairs = primitives.fp8_operand_pairs(cols)
+  assert sorted(d for d, _ in pairs) == sorted({reg for _, reg, _ in dst})
+  for (thread, reg, lane), (row, col) in dst.items():
+    a, b = dict(pairs)[reg]
+    src_row, src_col = src[(thread, a, lane) if lane < 2 else (thread, b, lane - 2)]
+    assert (src_row, src_col) == (row, int(primitives.fp8_p_key(col))), (thread, reg, lane)
 
 
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)

@@ -155,18 +155,30 @@ def fp8_a_operand(p8):
                      return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
                                                         layout=plgpu.Layout.WGMMA_8BIT))
   def relabel(_, x):
-    src = x.registers  # [1, cols / 8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2 x f8>
-    assert src.shape == mgpu.WGMMA_LAYOUT.registers_shape(p8.shape), src.shape
-    dst_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape)  # cols / 16 groups
-    src = src.reshape(cols // 16, 2, 2)  # (16-column group, 8-column half, row half)
-    dst = np.empty((cols // 16, 2), dtype=object)
-    for g in range(cols // 16):
-      for h in range(2):
-        dst[g, h] = vector.shuffle(src[g, 0, h], src[g, 1, h], [0, 1, 2, 3])
-    return mgpu.FragmentedArray(_registers=dst.reshape(dst_shape),
-                                _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+    src = x.registers  # vector<2 x f8> each
+    dst = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape), dtype=object)
+    for d, (a, b) in fp8_operand_pairs(cols):
+      dst[d] = vector.shuffle(src[a], src[b], [0, 1, 2, 3])
+    return mgpu.FragmentedArray(_registers=dst, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
 
   return relabel(p8)
+
+
+def fp8_operand_pairs(cols: int):
+  """``fp8_a_operand``'s registers for P [64, cols]: (index of a ``WGMMA_LAYOUT_8BIT``
+  register, (indices of the two ``WGMMA_LAYOUT`` registers it concatenates)), each index
+  into its layout's ``registers_shape``. Both are [1, column groups, 1, 1, 2 row halves,
+  1, 1, 1, 1] (groups of 8 columns, of 16 in the 8-bit layout): 8-bit register (g, h) is
+  registers (2g, h) and (2g + 1, h). tests/test_mosaic.py checks what that means element
+  by element against the installed jax's layouts."""
+  src_shape = mgpu.WGMMA_LAYOUT.registers_shape((64, cols))
+  dst_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape((64, cols))
+  assert src_shape == (1, cols // 8, 1, 1, 2, 1, 1, 1, 1), src_shape
+  assert dst_shape == (1, cols // 16, 1, 1, 2, 1, 1, 1, 1), dst_shape
+  at = lambda g, h: (0, g, 0, 0, h, 0, 0, 0, 0)  # noqa: E731
+  return [(at(g, h), (at(2 * g, h), at(2 * g + 1, h)))
+          for g in range(cols // 16) for h in range(2)]
 
 
 def claim(scalar_ref, unit_smem, slot, dealt):
