@@ -184,8 +184,9 @@ class KernelSpec:
 
   @property
   def fp8(self) -> bool:
-    """FP8 operands: Q.K and P.V as FP8 matrix products (V transposed, P through shared
-    memory), the logits' dequantization factor and V's read per item (``Item``)."""
+    """FP8 operands: Q.K and P.V as FP8 matrix products (V transposed; P from registers
+    with ``p_registers``, else through shared memory), the logits' dequantization
+    factor and V's read per item (``Item``)."""
     return is_fp8(self.dtype)
 
   @property
