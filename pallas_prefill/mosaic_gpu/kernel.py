@@ -708,8 +708,7 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   (with ``KernelSpec.fixed_max``, soft-capped scores, the maximum stays m_i: no rescale).
   Returns (acc, l, m_new, p, p in the input dtype). FP8 (its fold the item's traced
   factor): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value (at
-  most 256). With
-  ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
+  most 256). With ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
   (``primitives.exp2_fma``)."""
   poly = dict(poly_eighths=spec.poly_exp2)
   if spec.fp8 and fold is not None:

@@ -122,12 +122,11 @@ def live_rows(q_offsets, kv_rows, total_kv):
 
 
 def _vt_kernel(*refs, batch, total_kv, bounds, p_order):
-  """One program: keys [r0, r0 + VT_KEYS) of one K/V head (``p_order``: stored in
-  ``key_ordered``'s order), read as
-  [keys, depth] bytes where some sequence's [start, end) holds them (``live_rows``' rule)
-  and zero elsewhere, stored as [depth, keys]. ``bounds``: "offsets" (the chained
-  offsets, read here), "ranges" (K/V starts and ends, read here) or "live"
-  (``live_rows`` as int32, padded with zeros to the columns)."""
+  """One program: keys [r0, r0 + VT_KEYS) of one K/V head, read as [keys, depth] bytes
+  where some sequence's [start, end) holds them (``live_rows``' rule) and zero elsewhere,
+  stored as [depth, keys] (``p_order``: in ``key_ordered``'s order). ``bounds``:
+  "offsets" (the chained offsets, read here), "ranges" (K/V starts and ends, read here)
+  or "live" (``live_rows`` as int32, padded with zeros to the columns)."""
   *ins, v_ref, vt_ref = refs
   r0 = pl.program_id(0) * VT_KEYS
   h = pl.program_id(1)
