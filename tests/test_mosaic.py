@@ -1452,6 +1452,9 @@ MLA_PARTS = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 128, 1, 0, 64, sha
     (Lowered(dtype="float8_e4m3fn", lse=True, config=pp.MosaicConfig()), MHA_PARTS),
     (Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, scale_shape=(16,),
              config=pp.MosaicConfig()), MLA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", lse=True,  # P through shared memory
+             config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=False))),
+     MHA_PARTS),
 ], ids=repr)
 def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
   """``smem.smem_bytes``, which output buffers, fitted configs and refusals follow, is the

@@ -150,7 +150,8 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       chunks=len(L.column_chunks(parts)), v_chunks=-(-v_depth // L.CHUNK), dtype=dtype,
       out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
-      split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False))
+      split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
+      p_smem=not config.options.fp8_p_registers))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
