@@ -548,6 +548,12 @@ def test_quantized_q_keeps_non_finite_values_to_their_rows():
 # gathered, V^T, the scales, the work list's sequences) runs here, into a NumPy model of
 # what the kernel computes from those operands.
 
+def in_key_order(vt):
+  """V^T [..., cols] whose column c holds key ``primitives.fp8_p_key(c)`` (P's register
+  order, ``operands.key_ordered``) with its columns back in the keys' order."""
+  return vt[..., np.argsort(primitives.fp8_p_key(np.arange(vt.shape[-1])))]
+
+
 def fp8_kernel_model(spec, inputs, out_type):
   """What the FP8 attention kernel (``spec``: its ``KernelSpec``) computes from its
   operands, in NumPy float64: for each item that runs (``layout.S_LIVE``), its stored
@@ -565,8 +571,8 @@ def fp8_kernel_model(spec, inputs, out_type):
   q = [f64(next(it)) for _ in range(spec.n_q)]
   k = [f64(next(it)) for _ in range(spec.n_k)]
   vt, qk, vs = (f64(next(it)) for _ in range(3))
-  if spec.p_registers:  # V^T's columns in P's register order: back to the keys' order
-    vt = vt[..., np.argsort(primitives.fp8_p_key(np.arange(vt.shape[-1])))]
+  if spec.p_registers:
+    vt = in_key_order(vt)
   out = np.zeros(out_type[0].shape)
   lse = np.full(out_type[1].shape, np.nan) if spec.has_lse else None
   rows, scale = layout.COMPUTE_WGS * spec.block_q, spec.scale / LOG2_E
@@ -740,12 +746,8 @@ def _vt_check(total_kv, heads, depth, offsets, ranges, block_kv, seed, fn=lambda
                for k in (True, False))
   u8 = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
   got, want = u8(got), u8(want)
-  if p_order:  # column c holds key fp8_p_key(c): back to the keys' order
-    def in_order(x):
-      out = np.empty_like(x)
-      out[..., primitives.fp8_p_key(np.arange(x.shape[-1]))] = x
-      return out
-    got, want = in_order(got), in_order(want)
+  if p_order:
+    got, want = in_key_order(got), in_key_order(want)
   assert got.shape[:2] == (heads, depth) and got.shape[2] % operands.VT_KEYS == 0
   assert got.shape[2] >= max(total_kv, block_kv)
   np.testing.assert_array_equal(got[..., :want.shape[2]], want)

@@ -651,7 +651,7 @@ def scaled_scores(spec, item: Item, s):
   ``KernelSpec.scaled_q`` Q holds scale / cap already, and the FMUL is gone). FP8's
   factor is the item's (traced: ``Item.qk_scale``), folded where ``KernelSpec.fold_fp8``
   (then clamped positive)."""
-  if spec.fp8 and spec.fold_fp8:
+  if spec.fold_fp8:
     return s, item.qk_scale
   if spec.fp8:
     s = s * item.qk_scale
