@@ -162,13 +162,20 @@ class MosaicOptions:
                        f"{self.poly_exp2!r}")
 
 
+# FP8's widest K/V tile (``MosaicConfig.block_kv``): FP8 matrix products take twice bf16's
+# keys per byte, so a tile of 256 keys costs the shared memory of bf16's 128.
+FP8_WIDE_BLOCK_KV = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiling of the Mosaic GPU (Hopper) kernels, ``backend="mosaic_gpu"``.
 
   Attributes:
     block_q: query rows per compute warpgroup (each program has two): 64.
-    block_kv: key/value rows per pipeline stage: 64 or 128.
+    block_kv: key/value rows per pipeline stage: 64 or 128; or 256 for FP8 (e4m3) with P
+      from registers (``MosaicOptions.fp8_p_registers``, the default), whose P.V then runs
+      as two products of 128 keys each (a 256-key tile fits shared memory in two stages).
     num_stages: K/V shared-memory slots the producer warpgroup fills ahead (>= 2).
     num_programs: the persistent kernel's programs (each runs a share of the (head, work
       item) units, one after another); None: one per SM of the GPU. As many as there are
@@ -197,8 +204,9 @@ class MosaicConfig:
     if not _is_int(self.block_q) or self.block_q != 64:
       raise ValueError(f"MosaicConfig.block_q must be 64 (one warpgroup's matrix "
                        f"instruction rows), got {self.block_q!r}")
-    if not _is_int(self.block_kv) or self.block_kv not in (64, 128):
-      raise ValueError(f"MosaicConfig.block_kv must be 64 or 128, got {self.block_kv!r}")
+    if not _is_int(self.block_kv) or self.block_kv not in (64, 128, FP8_WIDE_BLOCK_KV):
+      raise ValueError(f"MosaicConfig.block_kv must be 64, 128 or (FP8 only) "
+                       f"{FP8_WIDE_BLOCK_KV}, got {self.block_kv!r}")
     if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
         self.num_stages < 2):
       raise ValueError(f"MosaicConfig.num_stages must be an int >= 2, got "

@@ -668,6 +668,34 @@ def test_fp8_mosaic_operands_in_either_p_order(case, on, fp8_kernel_modelled):
                  q_quantized=True)
 
 
+@pytest.mark.parametrize("case", [Fp8Case(), _MLA, dataclasses.replace(_PAGED, page_size=16),
+                                  dataclasses.replace(_BF16_Q, kv_lens=(5, 1, 300, 100, 264, 50),
+                                                      lse=True, sink=True)],
+                         ids=lambda c: c.name)
+def test_fp8_mosaic_operands_with_wide_tiles(case, fp8_kernel_modelled):
+  """256-key KV tiles (FP8 only): the work list's tiles and V^T's columns for them."""
+  config = dataclasses.replace(fp8_kernel_modelled, block_kv=256)
+  check_fp8_case(case, interpret=False, config=config, q_quantized=True)
+
+
+def test_fp8_wide_tiles_lower_for_an_h200():
+  """256-key KV tiles lower for MHA and MLA, Q.K^T one matrix instruction of 256 keys
+  (N = 256); bf16, or FP8 with P through shared memory, refuse them."""
+  from tests.test_mosaic import Lowered  # pylint: disable=g-import-not-at-top
+  wide, narrow = pp.MosaicConfig(block_kv=256), pp.MosaicConfig(block_kv=128)
+  for kw in (dict(), dict(kind="mla", heads=4, kv_heads=4, scale_shape=(4,))):
+    texts = [Lowered(dtype="float8_e4m3fn", config=c, **kw).lower().as_text()
+             for c in (wide, narrow)]
+    qk = "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"
+    assert qk in texts[0] and qk not in texts[1], kw
+  refused = dict(kind="mha", dtype="bfloat16", config=wide)
+  with pytest.raises(NotImplementedError, match="block_kv=256: tiles of more than 128"):
+    Lowered(**refused).lower()
+  p_smem = pp.MosaicConfig(block_kv=256, options=pp.MosaicOptions(fp8_p_registers=False))
+  with pytest.raises(NotImplementedError, match="block_kv=256"):
+    Lowered(dtype="float8_e4m3fn", config=p_smem).lower()
+
+
 def test_fp8_p_registers_reach_the_kernel_only_where_asked():
   """``MosaicOptions.fp8_p_registers`` (the default): P as an A operand from registers
   (the register fence before the product) and no shared-memory store of P, MHA and MLA;
@@ -1094,6 +1122,16 @@ def test_fp8_compiled_mosaic_gpu_p_order(case, on):
   check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
                  config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=on)),
                  q_quantized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES
+                                  if c.dtype == "float8_e4m3fn"], ids=lambda c: c.name)
+def test_fp8_compiled_mosaic_gpu_wide_tiles(case):
+  """256-key KV tiles (``MosaicConfig.block_kv``, FP8 only) on every FP8 e4m3 case Mosaic
+  GPU serves."""
+  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
+                 config=pp.MosaicConfig(block_kv=256), q_quantized=True)
 
 
 # Mosaic GPU on what it serves since FP8 pages and FP8 KV caches under a bf16/f16 q came

@@ -742,6 +742,19 @@ def test_default_configs_fit_shared_memory():
         layout.SMEM_BYTES), (qk, v, cfg)
 
 
+def test_fitted_halves_wide_fp8_tiles_until_they_fit():
+  """``fitted`` cuts stages first, then halves the K/V tiles: FP8's 256-key tiles stay at
+  depth 128 and MLA's 192/128, and come down to 128 keys at depth 256."""
+  e4 = jnp.dtype(jnp.float8_e4m3fn)
+  wide = pp.MosaicConfig(block_kv=256, num_stages=3)
+  for qk, v, want in ((128, 128, (256, 3)), ((128, 64), 128, (256, 2)),
+                      (256, 256, (128, 2))):
+    parts = [logits.QkPart(0, 0, 0, 0, w) for w in (qk if isinstance(qk, tuple) else (qk,))]
+    cfg = mosaic_gpu.fitted(wide, parts, v, e4, jnp.bfloat16, True)
+    assert (cfg.block_kv, cfg.num_stages) == want, (qk, v, cfg)
+    assert smem.smem_bytes(parts, v, e4, jnp.bfloat16, True, cfg) <= layout.SMEM_BYTES
+
+
 
 
 
@@ -1080,23 +1093,27 @@ def _element_owners(layout, shape):
   return owners
 
 
-@pytest.mark.parametrize("cols", [64, 128])
+@pytest.mark.parametrize("cols", [64, 128, 256])
 def test_fp8_a_operand_relabels_p_into_the_keys_of_fp8_p_key(cols):
   """``primitives.fp8_a_operand``'s no-move relabelling, element by element against the
   installed jax's layouts: the 8-bit A-operand register it builds from two WGMMA-layout
   registers of the same thread holds, in its lane j, the element of the same row whose
   column (key) is ``fp8_p_key`` of the column that lane stands for in the 8-bit layout;
-  every 8-bit register and lane is built once."""
+  every 8-bit register and lane is built once. A 256-key tile's P in two operands of 128
+  columns (``groups=2``): the group's columns, offset by its first."""
   from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
-  shape = (64, cols)
-  src = _element_owners(mgpu.WGMMA_LAYOUT, shape)
-  dst = _element_owners(mgpu.WGMMA_LAYOUT_8BIT, shape)
-  pairs = primitives.fp8_operand_pairs(cols)
-  assert sorted(d for d, _ in pairs) == sorted({reg for _, reg, _ in dst})
-  for (thread, reg, lane), (row, col) in dst.items():
-    a, b = dict(pairs)[reg]
-    src_row, src_col = src[(thread, a, lane) if lane < 2 else (thread, b, lane - 2)]
-    assert (src_row, src_col) == (row, int(primitives.fp8_p_key(col))), (thread, reg, lane)
+  src = _element_owners(mgpu.WGMMA_LAYOUT, (64, cols))
+  for groups in (1, 2) if cols >= 32 else (1,):
+    width = cols // groups
+    dst = _element_owners(mgpu.WGMMA_LAYOUT_8BIT, (64, width))
+    for group in range(groups):
+      pairs = primitives.fp8_operand_pairs(cols, group=group, groups=groups)
+      assert sorted(d for d, _ in pairs) == sorted({reg for _, reg, _ in dst})
+      for (thread, reg, lane), (row, col) in dst.items():
+        a, b = dict(pairs)[reg]
+        src_row, src_col = src[(thread, a, lane) if lane < 2 else (thread, b, lane - 2)]
+        want = (row, group * width + int(primitives.fp8_p_key(col)))
+        assert (src_row, src_col) == want, (groups, group, thread, reg, lane)
 
 
 @pytest.mark.parametrize("problem", LOWERED, ids=repr)
@@ -1455,6 +1472,13 @@ MLA_PARTS = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 128, 1, 0, 64, sha
     (Lowered(dtype="float8_e4m3fn", lse=True,  # P through shared memory
              config=pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=False))),
      MHA_PARTS),
+    # 256-key tiles: V^T in two buffers of 128 keys per slot and 64 columns
+    (Lowered(dtype="float8_e4m3fn", lse=True, config=pp.MosaicConfig(block_kv=256)),
+     MHA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", config=pp.MosaicConfig(block_kv=256, num_stages=3)),
+     MHA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, scale_shape=(16,),
+             config=pp.MosaicConfig(block_kv=256)), MLA_PARTS),
 ], ids=repr)
 def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
   """``smem.smem_bytes``, which output buffers, fitted configs and refusals follow, is the

@@ -47,6 +47,9 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: 
               "kernel takes float8_e4m3fn (the Triton kernel serves it; 'auto' picks it)")
   elif jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name}: the Hopper matrix instructions take bf16/f16"
+  if config.block_kv > 128 and not (is_fp8(dtype) and config.options.fp8_p_registers):
+    return (f"block_kv={config.block_kv}: tiles of more than 128 keys are FP8's (e4m3 K/V "
+            "with P from registers, MosaicOptions.fp8_p_registers); use 64 or 128")
   for w in [p.width for p in parts] + [v_depth]:
     if w % 64 or w > 256:
       return f"depth {w}: the mosaic_gpu backend needs depths that are multiples of 64 <= 256"

@@ -745,19 +745,29 @@ def pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
   relabelled, V^T's keys in that order), else from this warpgroup's shared-memory buffer
   (the accumulator's layout is not an FP8 A operand's), stored and fenced per tile (the
   previous tile's products are done, their accumulators read: the buffer is free).
-  Returns (acc, l, m_new)."""
+  A tile of more than ``layout.VT_GROUP`` keys (P from registers) is one product per
+  V^T buffer of that many keys, each with its columns of P. Returns (acc, l, m_new)."""
   l_i = l_i + p.sum(axis=1)
+  groups = L.vt_groups(spec.block_kv)
   if spec.p_registers:
-    a = primitives.fp8_a_operand(p.astype(spec.dtype))
+    p8 = p.astype(spec.dtype)
+    a = [primitives.fp8_a_operand(p8, group=g, groups=groups) for g in range(groups)]
+    if groups > 1:
+      # Every operand's registers defined before the first product issues: ``plgpu.wgmma``
+      # fences its own A operand only, and a later operand's registers defined between
+      # two issues serialize every matrix product of the kernel (ptxas C7513).
+      a = list(lax.optimization_barrier(tuple(a)))
   else:
+    assert groups == 1, spec.block_kv  # (``unsupported_reason``)
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
-    a = p_smem
+    a = [p_smem]
   turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
 
   def products(acc_refs):
     for acc_ref, (_, vts) in zip(acc_refs, scratch.v):
-      plgpu.wgmma(acc_ref, a, vts.at[slot(i)].transpose((1, 0)))
+      for g, a_g in enumerate(a):
+        plgpu.wgmma(acc_ref, a_g, vts.at[slot(i) * groups + g].transpose((1, 0)))
 
   acc = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in acc))
   plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
@@ -989,11 +999,15 @@ def load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, seq, last_t
 
 def load_vt_tile(spec, refs, scratch, slot, start, kv_head):
   """FP8: TMA of the V^T tile of keys [start, start + block_kv), one copy per 64 rows of
-  V^T (columns of V). V^T's columns past the batch's last key are zeros (``operands``)."""
+  V^T (columns of V) and buffer of ``layout.VT_GROUP`` keys (``layout.vt_groups``). V^T's
+  columns past the batch's last key are zeros (``operands``)."""
+  groups = L.vt_groups(spec.block_kv)
+  keys = spec.block_kv // groups
   for c, (fill, _) in enumerate(scratch.v):
-    plgpu.copy_gmem_to_smem(
-        refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start, spec.block_kv)],
-        fill.at[slot], scratch.v_loaded.at[slot])
+    for g in range(groups):
+      plgpu.copy_gmem_to_smem(
+          refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start + g * keys, keys)],
+          fill.at[slot * groups + g], scratch.v_loaded.at[slot])
 
 
 def load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail):

@@ -11,6 +11,16 @@ from jax import lax
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
 COMPUTE_WGS = 2  # compute warpgroups per program, each with block_q query rows
 CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
+# Keys per FP8 V^T buffer: a row of 128 bytes, the widest TMA swizzle. A wider KV tile
+# (``MosaicConfig.block_kv`` 256) holds its V^T in ``vt_groups`` buffers per chunk and
+# runs its P.V as one matrix product per buffer.
+VT_GROUP = 128
+
+
+def vt_groups(block_kv: int) -> int:
+  """FP8's V^T buffers per 64 columns of V and K/V slot: one per ``VT_GROUP`` keys."""
+  return max(block_kv // VT_GROUP, 1)
+
 
 # Columns of the per-item table (``work_list.work_list``) the kernel reads.
 (Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW, KV_LAST, T_LO, T_HI) = range(9)

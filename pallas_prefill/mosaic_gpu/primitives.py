@@ -140,24 +140,27 @@ def fp8_p_key(c):
   return c - c % 16 + 8 * a + 2 * q + b
 
 
-def fp8_a_operand(p8):
+def fp8_a_operand(p8, *, group: int = 0, groups: int = 1):
   """P [64, cols] FP8 in the WGMMA (accumulator) layout as an FP8 matrix product's A
   operand in registers (``WGMMA_LAYOUT_8BIT``: each thread holds 4 consecutive columns of
   each 16), with no data movement: in each 16-column group a thread's 2 columns at 2q and
   its 2 at 8 + 2q become its 4 at 4q, so that column c holds key ``fp8_p_key(c)``. P.V
   sums over the keys, so V^T's columns in that order (``operands.transposed_v(...,
   p_order=True)``) give the same product. FlashAttention-3 moves the bytes instead (a
-  shuffle between threads and a byte permute)."""
+  shuffle between threads and a byte permute). With ``groups`` > 1, the operand of P's
+  columns [group * cols / groups, (group + 1) * cols / groups) only, [64, cols / groups]
+  (a 256-key tile's P.V is two products of 128 keys: ``kernel.pv_fp8``)."""
   rows, cols = p8.shape
-  assert rows == 64 and cols % 16 == 0, p8.shape
+  width = cols // groups
+  assert rows == 64 and width % 16 == 0 and 0 <= group < groups, (p8.shape, group, groups)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                     return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype,
+                     return_type=plgpu.ShapeDtypeStruct((rows, width), p8.dtype,
                                                         layout=plgpu.Layout.WGMMA_8BIT))
   def relabel(_, x):
     src = x.registers  # vector<2 x f8> each
-    dst = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(p8.shape), dtype=object)
-    for d, (a, b) in fp8_operand_pairs(cols):
+    dst = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((rows, width)), dtype=object)
+    for d, (a, b) in fp8_operand_pairs(cols, group=group, groups=groups):
       dst[d] = vector.shuffle(src[a], src[b], [0, 1, 2, 3])
     return mgpu.FragmentedArray(_registers=dst, _layout=mgpu.WGMMA_LAYOUT_8BIT,
                                 _is_signed=None)
@@ -165,20 +168,24 @@ def fp8_a_operand(p8):
   return relabel(p8)
 
 
-def fp8_operand_pairs(cols: int):
-  """``fp8_a_operand``'s registers for P [64, cols]: (index of a ``WGMMA_LAYOUT_8BIT``
-  register, (indices of the two ``WGMMA_LAYOUT`` registers it concatenates)), each index
-  into its layout's ``registers_shape``. Both are [1, column groups, 1, 1, 2 row halves,
-  1, 1, 1, 1] (groups of 8 columns, of 16 in the 8-bit layout): 8-bit register (g, h) is
-  registers (2g, h) and (2g + 1, h). tests/test_mosaic.py checks what that means element
-  by element against the installed jax's layouts."""
+def fp8_operand_pairs(cols: int, *, group: int = 0, groups: int = 1):
+  """``fp8_a_operand``'s registers for P [64, cols] (its columns' group ``group`` of
+  ``groups``, [64, cols / groups]): (index of a ``WGMMA_LAYOUT_8BIT`` register of the
+  operand, (indices of the two ``WGMMA_LAYOUT`` registers of P it concatenates)), each
+  index into its layout's ``registers_shape``. Both are [1, column groups, 1, 1, 2 row
+  halves, 1, 1, 1, 1] (groups of 8 columns, of 16 in the 8-bit layout): 8-bit register
+  (g, h) is registers (2g + s, h) and (2g + 1 + s, h), s = cols / 8 / groups * group.
+  tests/test_mosaic.py checks what that means element by element against the installed
+  jax's layouts."""
+  width = cols // groups
   src_shape = mgpu.WGMMA_LAYOUT.registers_shape((64, cols))
-  dst_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape((64, cols))
+  dst_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape((64, width))
   assert src_shape == (1, cols // 8, 1, 1, 2, 1, 1, 1, 1), src_shape
-  assert dst_shape == (1, cols // 16, 1, 1, 2, 1, 1, 1, 1), dst_shape
+  assert dst_shape == (1, width // 16, 1, 1, 2, 1, 1, 1, 1), dst_shape
   at = lambda g, h: (0, g, 0, 0, h, 0, 0, 0, 0)  # noqa: E731
-  return [(at(g, h), (at(2 * g, h), at(2 * g + 1, h)))
-          for g in range(cols // 16) for h in range(2)]
+  shift = width // 8 * group  # P's 8-column register groups before the group's
+  return [(at(g, h), (at(2 * g + shift, h), at(2 * g + 1 + shift, h)))
+          for g in range(width // 16) for h in range(2)]
 
 
 def claim(scalar_ref, unit_smem, slot, dealt):

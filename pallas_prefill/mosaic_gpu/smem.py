@@ -39,8 +39,10 @@ class Scratch:
     q: per 64-column chunk of the logit parts, [COMPUTE_WGS, block_q, 64] (untiled, tiled).
     k: per chunk, [lanes * num_stages, block_kv, 64] (untiled, tiled).
     v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled); FP8:
-      of V transposed, [lanes * num_stages, 64, block_kv] (FP8 matrix products read both
-      operands K-major: the keys, P.V's contraction, along a row).
+      of V transposed, [lanes * num_stages * groups, 64, block_kv / groups] (FP8 matrix
+      products read both operands K-major: the keys, P.V's contraction, along a row),
+      slot s's keys [128 g, 128 (g + 1)) at s * groups + g, ``layout.vt_groups``: a
+      256-key tile's rows of 256 bytes are two buffers (a TMA swizzle spans 128 bytes).
     p: FP8 only (else None, and None where P stays in registers): P quantized,
       [COMPUTE_WGS, block_q, block_kv], P.V's A operand from shared memory.
     o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
@@ -97,7 +99,9 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
                           tiled(shape))
 
   barrier = plgpu.Barrier
-  v_shape = (slots, L.CHUNK, block_kv) if fp8 else (slots, block_kv, L.CHUNK)
+  groups = L.vt_groups(block_kv) if fp8 else 1
+  v_shape = ((slots * groups, L.CHUNK, block_kv // groups) if fp8
+             else (slots, block_kv, L.CHUNK))
   return Scratch(
       q=[chunk_buffer((L.COMPUTE_WGS, block_q, L.CHUNK)) for _ in range(chunks)],
       k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
@@ -109,10 +113,11 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
       # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T and
-      # batch-invariant tiles one; paged: one per chunk and page. (Each copy is one
-      # arrival: a count above the copies never completes, and the kernel hangs.)
-      v_loaded=barrier(num_arrivals=(pages if paged else 1 if fp8 or one_v_copy else 2)
-                       * v_chunks,
+      # batch-invariant tiles one; FP8's V^T one per buffer (``groups``); paged: one per
+      # chunk and page. (Each copy is one arrival: a count above the copies never
+      # completes, and the kernel hangs.)
+      v_loaded=barrier(num_arrivals=(pages if paged else groups if fp8 else
+                                     1 if one_v_copy else 2) * v_chunks,
                        num_barriers=slots),
       k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       v_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
@@ -179,13 +184,13 @@ def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicCo
 
 def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
            return_lse) -> MosaicConfig:
-  """A default config cut down (stages to 2, then 64-row K/V tiles) until shared memory
-  holds it for these operands (a float32 output takes more of it)."""
+  """A default config cut down (stages to 2, then K/V tiles halved down to 64 rows) until
+  shared memory holds it for these operands (a float32 output takes more of it)."""
   while smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config) > L.SMEM_BYTES:
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     elif config.block_kv > 64:
-      config = dataclasses.replace(config, block_kv=64)
+      config = dataclasses.replace(config, block_kv=config.block_kv // 2)
     else:
       break
   return config
