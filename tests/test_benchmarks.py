@@ -380,7 +380,7 @@ def test_mosaic_options_parse_literals_and_refuse_what_is_not_an_option():
   for setting, says in [("NOPE=1", "NAME one of dynamic"), ("DYNAMIC=False", "NAME one of"),
                         ("dynamic", "NAME=VALUE"), ("dynamic=maybe", "not a Python literal"),
                         ("dynamic=1", "must be a bool"), ("head_major=True", "None, 0 or 1"),
-                        ("block_kv=32", "64 or 128"), ("num_stages=1", ">= 2")]:
+                        ("block_kv=32", "64, 128 or"), ("num_stages=1", ">= 2")]:
     with pytest.raises(ValueError, match=says):
       sy.parse_mosaic_options([setting])
 
