@@ -176,6 +176,8 @@ class MosaicConfig:
     block_kv: key/value rows per pipeline stage: 64 or 128; or 256 for FP8 (e4m3) with P
       from registers (``MosaicOptions.fp8_p_registers``, the default), whose P.V then runs
       as two products of 128 keys each (a 256-key tile fits shared memory in two stages).
+      256 measured 0.82x-0.99x the speed of 128 on the H200 (its scores spill registers:
+      BUILD_NOTES.md); the default stays 128.
     num_stages: K/V shared-memory slots the producer warpgroup fills ahead (>= 2).
     num_programs: the persistent kernel's programs (each runs a share of the (head, work
       item) units, one after another); None: one per SM of the GPU. As many as there are
