@@ -112,10 +112,10 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
-      # Contiguous V: two copies per chunk (``primitives.load_rows``), FP8's V^T and
-      # batch-invariant tiles one; FP8's V^T one per buffer (``groups``); paged: one per
-      # chunk and page. (Each copy is one arrival: a count above the copies never
-      # completes, and the kernel hangs.)
+      # Contiguous V: two copies per chunk (``primitives.load_rows``), batch-invariant
+      # tiles one; FP8's V^T one per chunk and buffer (``groups``); paged: one per chunk
+      # and page. (Each copy is one arrival: a count above the copies never completes,
+      # and the kernel hangs.)
       v_loaded=barrier(num_arrivals=(pages if paged else groups if fp8 else
                                      1 if one_v_copy else 2) * v_chunks,
                        num_barriers=slots),
