@@ -1103,7 +1103,7 @@ def test_fp8_a_operand_relabels_p_into_the_keys_of_fp8_p_key(cols):
   columns (``groups=2``): the group's columns, offset by its first."""
   from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
   src = _element_owners(mgpu.WGMMA_LAYOUT, (64, cols))
-  for groups in (1, 2) if cols >= 32 else (1,):
+  for groups in (1, 2):
     width = cols // groups
     dst = _element_owners(mgpu.WGMMA_LAYOUT_8BIT, (64, width))
     for group in range(groups):
