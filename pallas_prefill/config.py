@@ -119,6 +119,12 @@ class MosaicOptions:
       per score): on the H200 1.028x / 1.005x the capped call (MHA equal4x4096 /
       skew16_16k; BUILD_NOTES.md, twenty-third session), relative error 3.1e-3 against
       2.5e-3. False: the multiplication per score.
+    fp8_native_pages: FP8 pages of ``layout.MIN_NATIVE_PAGE`` rows or more (and a V depth
+      that is a power of two) are read in place, as bf16 pages are: K tiles by TMA from
+      the pages the block table names, V^T from one small Triton-lowered kernel that
+      moves only the sequences' keys (``operands.transposed_v_pages``). False: the whole
+      block table's capacity gathered into contiguous K/V first, then V^T from that
+      (``operands.gathered_pages``; smaller pages always are).
     fp8_p_registers: FP8's P.V takes P as its A operand from registers
       (``primitives.fp8_a_operand``: each thread's quantized P relabelled in place into
       the FP8 operand layout, and V^T's keys stored in that order by
@@ -142,11 +148,12 @@ class MosaicOptions:
   soft_cap_fixed_max: bool = True
   soft_cap_scaled_q: bool = True
   fp8_p_registers: bool = True
+  fp8_native_pages: bool = True
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
-                 "soft_cap_scaled_q", "fp8_p_registers"):
+                 "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):
@@ -304,19 +311,20 @@ def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   Mosaic GPU can serve: where the tuned table for the device measured Triton faster for
   both short and long prompts (entries whose last field is False), so that the backend,
   and with it a sequence's output bits, does not depend on the batch's longest prompt
-  (``max_prompt_len``, kept for the signature). Never on a bf16/f16 paged cache (Mosaic
+  (``max_prompt_len``, kept for the signature). Never on a paged cache: bf16/f16 (Mosaic
   GPU measured 1.36x to 2.0x Triton on every paged workload of the harness, short
-  prompts included: BUILD_NOTES.md), always on an FP8 one (Mosaic GPU gathers FP8 pages
-  into contiguous K/V first, for V^T: chunked8x512_page64 ran at 0.67x (MHA) and 0.42x
-  (MLA) of Triton's bf16 call, twenty-first session), and on a bf16/f16 q (``q_dtype``)
-  over FP8 K/V, which Mosaic GPU quantizes to e4m3 (relative error 1.5e-1 against q as
-  given with outlier channels, over issue 24's 5e-2; Triton uses q as given). A case the
-  table lacks runs Mosaic GPU."""
+  prompts included: BUILD_NOTES.md) or FP8 under an FP8 q (pages read in place, V^T of
+  the sequences' keys from a small kernel: 3.2x Triton's FP8 call on MHA and MLA
+  chunked8x512_page64 in ncu's device time, twenty-sixth session; 16-row pages, which
+  it gathers, 2.6x / 1.8x). Always on a bf16/f16 q (``q_dtype``) over FP8 K/V, which
+  Mosaic GPU quantizes to e4m3 (relative error 1.5e-1 against q as given with outlier
+  channels, over issue 24's 5e-2; Triton uses q as given). A case the table lacks runs
+  Mosaic GPU."""
   del max_prompt_len
   if is_fp8(dtype) and q_dtype is not None and not is_fp8(q_dtype):
     return True
   if paged:
-    return is_fp8(dtype)
+    return False
   tuned = [_tuned_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask, n)
            for n in (1, LONG_PROMPT + 1)]
   return all(t is not None and not t[4] for t in tuned)

@@ -548,13 +548,14 @@ def test_fp8_systems_run_on_paged_workloads(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_fp8_paged_workload_runs_triton_on_an_h200(kind):
+def test_fp8_paged_workload_runs_mosaic_gpu_on_an_h200(kind):
   """The FP8 chunked paged workload (``chunked8x512_page64``, issue 24's "at least 1.4x
   our bf16 paged"): the call pallas_prefill_fp8 times (its problem quantized by
-  ``quantize_problem``, "auto"), lowered for an H200, runs the Triton kernel on the FP8
-  pages (``config.prefers_triton``: Mosaic GPU's gathered pages measured slower). (The
-  system's own jitted call picks interpret mode on the CPU.)"""
-  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  ``quantize_problem``, "auto"), lowered for an H200, runs the Mosaic GPU kernel on the
+  FP8 pages in place (``config.prefers_triton``), beside the small Triton-lowered kernel
+  of V^T (``operands.transposed_v_pages``). (The system's own jitted call picks
+  interpret mode on the CPU.)"""
+  from tests.test_lowering import lower_for_h200, triton_calls  # pylint: disable=g-import-not-at-top
   workload = wl.WORKLOADS["chunked8x512_page64"]
   quantized = sy.quantize_problem(sy.make_problem(kind, workload, 0))
   p8 = quantized.problem
@@ -567,8 +568,9 @@ def test_fp8_paged_workload_runs_triton_on_an_h200(kind):
   args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                       (p8.q, p8.paged, p8.q_offsets, quantized.scales))
   assert {x.dtype for x in args[1]} == {jnp.dtype(sy.FP8_DTYPE)}
-  text = lower_for_h200(fn, *args).as_text()
-  assert "custom_call @mosaic_gpu" not in text and "xla.gpu.triton" in text
+  lowered = lower_for_h200(fn, *args)
+  assert "custom_call @mosaic_gpu" in lowered.as_text()
+  assert [c.name for c in triton_calls(lowered)] == ["fp8_v_transposed"]
 
 
 def test_fp8_on_mla_is_not_run_where_mla_prefill_refuses_it(monkeypatch):

@@ -562,17 +562,29 @@ def fp8_kernel_model(spec, inputs, out_type):
   the softmax scale and the sequence's logit factor, V read from V^T times the
   sequence's V scale (V^T's columns in ``primitives.fp8_p_key``'s order with
   ``spec.p_registers``); the LSE in each row's slot of the per-item buffer. Rows no item
-  stores stay zeros."""
-  assert spec.fp8 and spec.soft_cap is None and spec.page_size is None, spec
+  stores stay zeros. Pages read in place (``spec.page_size``): K from the pages the block
+  table names, V^T from the sequence's own columns (``operands.transposed_v_pages``), the
+  keys those of positions [0, KV_LEN)."""
+  assert spec.fp8 and spec.soft_cap is None, spec
   it = iter(inputs)
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
   table, scalars = np.asarray(next(it)), np.asarray(next(it))
   sink = f64(next(it)) if spec.has_sink else None
   q = [f64(next(it)) for _ in range(spec.n_q)]
   k = [f64(next(it)) for _ in range(spec.n_k)]
-  vt, qk, vs = (f64(next(it)) for _ in range(3))
+  vt = f64(next(it))
+  ids = np.asarray(next(it)) if spec.page_size is not None else None
+  qk, vs = f64(next(it)), f64(next(it))
   if spec.p_registers:
     vt = in_key_order(vt)
+  if ids is not None:  # keys by sequence: rows of the pages, columns of V^T
+    k = [x.reshape(-1, *x.shape[2:]) for x in k]
+    cols = vt.shape[-1] // ids.shape[0]
+
+  def page_rows(b, n):  # sequence b's first n positions as rows of the reshaped pages
+    pos = np.arange(n)
+    return ids[b, pos // spec.page_size] * spec.page_size + pos % spec.page_size
+
   out = np.zeros(out_type[0].shape)
   lse = np.full(out_type[1].shape, np.nan) if spec.has_lse else None
   rows, scale = layout.COMPUTE_WGS * spec.block_q, spec.scale / LOG2_E
@@ -585,7 +597,10 @@ def fp8_kernel_model(spec, inputs, out_type):
     r = r[r < row8 * 8 + rows]
     q_pos = (0 if spec.top_left else kv_len - q_len) + r - q_start
     visible = np.asarray(spec.mask.visible(q_pos[:, None], np.arange(kv_len)[None, :]))
-    keys = slice(kv_start, kv_start + kv_len)
+    keys = vt_keys = slice(kv_start, kv_start + kv_len)
+    if ids is not None:
+      assert kv_start == 0, kv_start
+      keys, vt_keys = page_rows(seq, kv_len), slice(seq * cols, seq * cols + kv_len)
     for h in range(spec.num_heads):
       g = h // spec.group
       s = sum(q[p.q_index][r, h, p.q_col:p.q_col + p.width]
@@ -599,7 +614,7 @@ def fp8_kernel_model(spec, inputs, out_type):
       p = np.where(visible, np.exp(s - m_safe), 0.0)
       l = p.sum(axis=1) + (0.0 if sink is None else np.exp(sink[h] - m_safe[:, 0]))
       seen = l > 0
-      out[r, h] = p @ (vt[g, :, keys].T * vs[seq, g]) / np.where(seen, l, 1.0)[:, None]
+      out[r, h] = p @ (vt[g, :, vt_keys].T * vs[seq, g]) / np.where(seen, l, 1.0)[:, None]
       if lse is not None:
         lse[h, w * rows + r - row8 * 8] = np.where(
             seen, m_safe[:, 0] + np.log(np.where(seen, l, 1.0)), EMPTY_ROW_LSE)
@@ -618,9 +633,10 @@ def fp8_kernel_modelled(monkeypatch):
 
   monkeypatch.setattr(mosaic_gpu, "plgpu", types.SimpleNamespace(
       kernel=kernel, CompilerParams=lambda **_: None))
-  # V^T's own small kernel (Triton-lowered on the GPU) in Pallas' interpret mode
-  monkeypatch.setattr(operands, "transposed_v",
-                      functools.partial(operands.transposed_v, interpret=True))
+  # V^T's own small kernels (Triton-lowered on the GPU) in Pallas' interpret mode
+  for name in ("transposed_v", "transposed_v_pages"):
+    monkeypatch.setattr(operands, name, functools.partial(getattr(operands, name),
+                                                          interpret=True))
   # One device's program (the tests' host has several: custom_partitioning would trace)
   monkeypatch.setattr(partitioning, "_may_partition", lambda: False)
   with jax.disable_jit():
@@ -804,6 +820,60 @@ def test_fp8_transposed_v_jitted_with_traced_offsets(monkeypatch):
   _vt_check(*VT_CASES[2], seed=3, fn=jax.jit)
 
 
+# ``operands.transposed_v_pages``: FP8's V^T from a paged cache, read in place, against
+# NumPy: each sequence's keys at its own columns, bitwise (NaN bit patterns in live rows
+# kept, in stale rows past the keys zeroed up to the last KV tile's end), page ids clamped.
+
+VT_PAGES_CASES = [  # page_size, num_pages, kv lengths, block_kv, table columns
+    (64, 12, [0, 1, 64, 130, 320], 128, 5),  # a tile spans two pages; an empty sequence
+    (128, 9, [127, 128, 129], 128, 3),
+    (256, 5, [300, 5], 256, 2),  # tiles of 256 keys inside a page
+    (64, 20, [200, 64, 33], 256, 4),  # tiles of 256 keys across four pages
+    (128, 6, [100, 256, 40], 64, 2),  # tiles of 64 keys, programs of 128
+]
+
+
+def _vt_pages_check(page_size, num_pages, kv_lens, block_kv, max_pages, seed, fn=lambda f: f,
+                    p_order=False):
+  rng = np.random.default_rng(seed)
+  heads, depth, batch = 2, 128, len(kv_lens)
+  v = jnp.asarray(rng.normal(size=(num_pages, page_size, heads, depth)) * 100, E4)
+  bits = np.array(jax.lax.bitcast_convert_type(v, jnp.uint8))
+  bits[rng.random((num_pages, page_size)) < 0.2, :, :3] = 0x7F  # e4m3's NaN
+  v = jax.lax.bitcast_convert_type(jnp.asarray(bits), E4)
+  table = rng.integers(-3, num_pages + 3, size=(batch, max_pages)).astype(np.int32)
+  kv_len = np.asarray(kv_lens, np.int32)
+  got = fn(functools.partial(operands.transposed_v_pages, block_kv=block_kv,
+                             p_order=p_order))(v, jnp.asarray(table), jnp.asarray(kv_len))
+  got = np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8))
+  cols = operands.vt_page_columns(max_pages * page_size, page_size, block_kv)
+  assert got.shape == (heads, depth, batch * cols) and cols % block_kv == 0, got.shape
+  if p_order:
+    got = in_key_order(got)
+  ids = np.clip(table, 0, num_pages - 1)
+  for b, n in enumerate(kv_len):
+    pos = np.arange(n)
+    want = bits[ids[b, pos // page_size], pos % page_size].transpose(1, 2, 0)
+    written = -(-n // block_kv) * block_kv  # through the last KV tile's end
+    seq = got[..., b * cols:b * cols + written]
+    np.testing.assert_array_equal(seq[..., :n], want, err_msg=f"sequence {b}")
+    assert not seq[..., n:].any(), f"sequence {b}: positions past its keys not zeroed"
+
+
+@pytest.mark.parametrize("p_order", [False, True], ids=["keys", "p_order"])
+@pytest.mark.parametrize("case", VT_PAGES_CASES, ids=str)
+def test_fp8_transposed_v_pages_matches_numpy(case, p_order, monkeypatch):
+  monkeypatch.setattr(operands, "transposed_v_pages",
+                      functools.partial(operands.transposed_v_pages, interpret=True))
+  _vt_pages_check(*case, seed=case[0] + len(case[2]), p_order=p_order)
+
+
+def test_fp8_transposed_v_pages_jitted_with_traced_lengths(monkeypatch):
+  monkeypatch.setattr(operands, "transposed_v_pages",
+                      functools.partial(operands.transposed_v_pages, interpret=True))
+  _vt_pages_check(*VT_PAGES_CASES[0], seed=7, fn=jax.jit, p_order=True)
+
+
 def test_fp8_vt_kernel_option_lowers_for_an_h200():
   """The default lowers FP8 Mosaic GPU calls with the V^T kernel (a program per 128 keys
   and K/V head, 4 warps); ``fp8_vt_kernel=False`` with none (XLA's transpose)."""
@@ -886,11 +956,13 @@ def test_fp8_mla_lowers_for_an_h200(paged):
 
 @pytest.mark.parametrize("backend,page_size,q_dtype,expect", [
     ("triton", 64, jnp.bfloat16, "triton"),
-    # auto: Triton on FP8 pages (``config.prefers_triton``: Mosaic GPU gathers them
-    # first, and measured slower), under a bf16 or FP8 q; Mosaic GPU where asked for
+    # auto (``config.prefers_triton``): Mosaic GPU on FP8 pages under an FP8 q (read in
+    # place, or gathered where small), Triton under a bf16 q (which Mosaic GPU would
+    # quantize); Mosaic GPU where asked for
     ("auto", 64, jnp.bfloat16, "triton"), ("auto", 16, jnp.bfloat16, "triton"),
-    ("auto", 256, E4, "triton"), ("mosaic_gpu", 16, E4, "mosaic_gpu"),
-    ("mosaic_gpu", 256, E4, "mosaic_gpu"),
+    ("auto", 256, E4, "mosaic_gpu"), ("auto", 16, E4, "mosaic_gpu"),
+    ("mosaic_gpu", 16, E4, "mosaic_gpu"),
+    ("mosaic_gpu", 256, E4, "mosaic_gpu"), ("mosaic_gpu", 64, E4, "mosaic_gpu"),
     ("mosaic_gpu", 128, jnp.float16, "mosaic_gpu"),
 ])
 def test_fp8_paged_mha_lowers_for_an_h200(backend, page_size, q_dtype, expect):
@@ -904,8 +976,24 @@ def test_fp8_paged_mha_lowers_for_an_h200(backend, page_size, q_dtype, expect):
 
   text = _lowers_to(expect, fn, S((2048, 32, 128), q_dtype), kv, kv, S((5,), jnp.int32),
                     S((4, 8), jnp.float32), S((8,), jnp.float32))
-  if expect == "mosaic_gpu":  # the pages gathered into contiguous FP8 K/V
-    assert f"tensor<{4 * 40 * 64}x8x128xf8E4M3FN>" in text
+  gathered = f"tensor<{4 * 40 * 64}x8x128xf8E4M3FN>"  # the whole table's capacity
+  if expect == "mosaic_gpu" and page_size < 64:  # small pages gathered into FP8 K/V
+    assert gathered in text
+  elif expect == "mosaic_gpu":  # read in place: V^T of the sequences' keys from the pages
+    assert gathered not in text
+    assert f"tensor<8x128x{4 * 40 * 64}xui8>" in text  # ``transposed_v_pages``' output
+
+
+@pytest.mark.parametrize("page_size,options,native", [
+    (64, {}, True), (256, {}, True), (16, {}, False),
+    (64, dict(fp8_native_pages=False), False)])
+def test_fp8_pages_read_in_place_or_gathered(page_size, options, native, monkeypatch):
+  """FP8 pages of 64 rows or more reach the kernel as pages (its spec's page size),
+  smaller ones, or any with ``MosaicOptions.fp8_native_pages`` off, gathered."""
+  from tests.test_mosaic import _kernel_spec, _paged_lowering  # pylint: disable=g-import-not-at-top
+  config = pp.MosaicConfig(options=pp.MosaicOptions(**options))
+  spec = _kernel_spec(_paged_lowering(page_size, E4, config), monkeypatch)
+  assert spec.fp8 and spec.page_size == (page_size if native else None), spec
 
 
 @pytest.mark.parametrize("backend", ["auto", "mosaic_gpu"])
@@ -1065,6 +1153,13 @@ def _poison():
 @pytest.mark.parametrize("case", VT_CASES, ids=_vt_id)
 def test_fp8_compiled_transposed_v_matches_xla(case, p_order):
   _vt_check(*case, seed=case[0], fn=jax.jit, p_order=p_order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p_order", [False, True], ids=["keys", "p_order"])
+@pytest.mark.parametrize("case", VT_PAGES_CASES, ids=str)
+def test_fp8_compiled_transposed_v_pages_matches_numpy(case, p_order):
+  _vt_pages_check(*case, seed=case[0] + len(case[2]), fn=jax.jit, p_order=p_order)
 
 
 @pytest.mark.gpu

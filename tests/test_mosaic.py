@@ -1150,6 +1150,7 @@ class _View:
     self.name = name
 
   at = property(lambda self: self)
+  shape = (2, 128, 4 * 1024)  # (FP8 pages' V^T: 1024 columns for each of 4 sequences)
 
   def __getitem__(self, idx):
     return self
@@ -1170,15 +1171,23 @@ def _kernel_spec(lower, monkeypatch):
   return specs[-1]
 
 
-def _paged_lowering(page_size):
+def _paged_lowering(page_size, dtype=jnp.bfloat16, config=None):
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  fp8 = dtype == jnp.float8_e4m3fn
+  scales = dict(q_scale=jnp.float32(0.5), k_scale=jnp.float32(0.25),
+                v_scale=jnp.float32(2.0)) if fp8 else {}
 
   def fn(q, k_pages, v_pages, off, table, cache):
     k, v = pp.PagedKV(k_pages, table, cache), pp.PagedKV(v_pages, table, cache)
     return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend="mosaic_gpu",
-                          interpret=False)
+                          interpret=False, config=config, **scales)
 
-  return lambda: lower_for_h200(fn, *_paged_mha(page_size=page_size))
+  def lower():
+    args = [jax.ShapeDtypeStruct(x.shape, dtype if x.dtype == jnp.bfloat16 else x.dtype)
+            for x in _paged_mha(page_size=page_size)]
+    return lower_for_h200(fn, *args)
+
+  return lower
 
 
 ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
@@ -1194,6 +1203,8 @@ ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
     ("pages of 64", _paged_lowering(64)),
     ("pages of 256", _paged_lowering(256)),
     ("pages of 16, gathered", _paged_lowering(16)),
+    ("fp8 pages of 64", _paged_lowering(64, jnp.float8_e4m3fn)),
+    ("fp8 pages of 256", _paged_lowering(256, jnp.float8_e4m3fn)),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
   """On every path of ``kernel.load_kv_tile`` (V from the arrays or from ``v_tail``, the

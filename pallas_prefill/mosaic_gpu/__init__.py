@@ -27,6 +27,7 @@ from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel, fixed
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
 from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
+from pallas_prefill.mosaic_gpu.work_list import paged_kv_lengths
 
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
 
@@ -34,8 +35,9 @@ __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsuppor
 def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicConfig,
                        *, q_dtype=None) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or None when it can. Paged caches
-  need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place in
-  bf16/f16, smaller ones and FP8 pages gathered first (``operands.gathered_pages``). FP8
+  need no check: pages of ``layout.MIN_NATIVE_PAGE`` rows or more are read in place
+  (FP8's where ``native_fp8_pages``), smaller ones gathered first
+  (``operands.gathered_pages``). FP8
   (``dtype`` K/V's, ``q_dtype`` Q's): e4m3 K and V under an e4m3 Q, or a bf16/f16 Q that
   the call quantizes to e4m3 (``operands.quantized_q``)."""
   if is_fp8(dtype):
@@ -62,6 +64,15 @@ def unsupported_reason(parts, v_depth, dtype, output_dtype, return_lse, config: 
   return None
 
 
+def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
+  """Whether FP8 pages (of ``layout.MIN_NATIVE_PAGE`` rows or more) are read in place: K
+  tiles from the pages, V^T from ``operands.transposed_v_pages``' kernel, which moves only
+  the sequences' keys (``MosaicOptions.fp8_native_pages``, and a V depth that is a power
+  of two, as that kernel needs); else they are gathered first
+  (``operands.gathered_pages``)."""
+  return config.options.fp8_native_pages and v_depth & (v_depth - 1) == 0
+
+
 def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
   """The config for native pages of page_size rows (``layout.MIN_NATIVE_PAGE`` or more):
   its KV tiles span pages (``MosaicOptions.tile_spans_pages``), or are cut to one page."""
@@ -77,8 +88,10 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   None); arguments and results as ``dispatch.ragged_attention``'s (V padded). A paged cache
   (``paged``: block table, cache lengths) is read page by page, each KV tile from one page
   or from ``layout.tile_pages`` consecutive ones, when its pages have
-  ``layout.MIN_NATIVE_PAGE`` rows or more; smaller pages, and FP8 pages of any size, are
-  gathered into contiguous K/V first (``operands.gathered_pages``). Split units need
+  ``layout.MIN_NATIVE_PAGE`` rows or more (FP8's V^T then from
+  ``operands.transposed_v_pages``, where ``native_fp8_pages``); smaller pages, and FP8
+  pages that are not read in place, are gathered into contiguous K/V first
+  (``operands.gathered_pages``). Split units need
   dynamic scheduling (``smem.splits``): without it, the units are shared. FP8
   (``scales``: the logits' and V's dequantization factors, each [batch, num_kv_heads]
   float32): V goes to the kernel transposed, and the factors as they are
@@ -92,13 +105,13 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   if paged is not None:
     block_table, cache_lengths = paged
     paged_cache = (cache_lengths, block_table.shape[1] * v.shape[1])
-    if v.shape[1] >= L.MIN_NATIVE_PAGE and not fp8:
+    if v.shape[1] >= L.MIN_NATIVE_PAGE and (not fp8 or native_fp8_pages(v_depth, config)):
       page_size = v.shape[1]
       config = paged_config(config, page_size)
     else:
-      # (FP8 pages too: its P.V reads V^T, which ``fp8_operands`` makes from contiguous
-      # V, given the gathered rows that are the sequences' keys; the work list reads
-      # them from ``paged_cache``.)
+      # (FP8 pages gathered: ``fp8_operands`` makes V^T from contiguous V, given the
+      # gathered rows that are the sequences' keys; the work list reads them from
+      # ``paged_cache``.)
       gathered, gathered_rows = prepare.gathered_pages([*k_ops, v], block_table,
                                                        cache_lengths, q_offsets, total_q)
       k_ops, v, block_table = gathered[:-1], gathered[-1], None
@@ -107,9 +120,15 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     q_ops, q_scale = prepare.quantized_q(q_ops, q_offsets, num_kv_heads, v.dtype)
     scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
-  extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, block_kv=config.block_kv,
-                               vt_kernel=config.options.fp8_vt_kernel,
-                               p_order=config.options.fp8_p_registers) if fp8 else None
+  extra = None
+  if fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages
+    kv_len = paged_kv_lengths(q_offsets, total_q, *paged_cache)
+    extra = (prepare.transposed_v_pages(v, block_table, kv_len, block_kv=config.block_kv,
+                                        p_order=config.options.fp8_p_registers), *scales)
+  elif fp8:
+    extra = prepare.fp8_operands(v, q_offsets, kv_rows, scales, block_kv=config.block_kv,
+                                 vt_kernel=config.options.fp8_vt_kernel,
+                                 p_order=config.options.fp8_p_registers)
   inputs, lse_slot, programs = prepare.operands(q_ops, k_ops, v, q_offsets, kv_rows,
                                                 sink_weights, mask=mask,
                                                 return_lse=return_lse, config=config,

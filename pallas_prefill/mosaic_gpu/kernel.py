@@ -55,6 +55,8 @@ The ragged parts, which the dense kernel has none of:
   in one page or span ``layout.tile_pages`` whole pages; the producer reads the page ids
   from the block table and TMAs the tile from them, a copy per page; each sequence's last
   V tile comes from ``v_tail`` (rows past its keys zeroed: stale cache rows may be NaN).
+  FP8 pages give K the same way and V^T from columns of the sequence's own
+  (``vt_page_column``), with those zeros already.
 
 With ``MosaicConfig.split_units`` each compute warpgroup instead runs half-units of its
 own (a head and its ``block_q`` rows of an item, the half's own KV tile range), fed by a
@@ -122,7 +124,8 @@ class KernelSpec:
   ``smem.output_buffers``; dynamic: claimed units (``MosaicOptions.dynamic``); split:
   split units; page_size: K/V operands are pages [num_pages, page_size, heads, depth]
   read a tile at a time from the pages the block table names (``v_tail`` then holds each
-  sequence's last V tile, and the block table follows it); fold_scale:
+  sequence's last V tile, and the block table follows it; FP8: V^T by sequence, then the
+  block table); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
   (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
   skip_keyless_q, keyless_units: ``MosaicOptions``'; kv_unit: the unit of the work list's
@@ -203,9 +206,10 @@ class KernelSpec:
 class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
-  V (FP8: transposed, [num_kv_heads, v_depth, rows]), ``v_tail`` (None for FP8), the
-  block table (paged only, else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor
-  and V's, else None), the output and the per-item LSE (or None)."""
+  V (FP8: transposed, [num_kv_heads, v_depth, rows], or for pages [num_kv_heads, v_depth,
+  batch * columns per sequence]), ``v_tail`` (None for FP8), the block table (paged only,
+  else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor and
+  V's, else None), the output and the per-item LSE (or None)."""
 
   meta: object
   scalars: object
@@ -928,18 +932,21 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
 def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail, *,
                  before_v=lambda: None):
   """TMA of KV tile i (first row `start`) into `slot`: K, then (after ``before_v``) V by
-  the loader for the layout: pages (``paged``: the sequence and its last tile, else
-  None), FP8's V^T, batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the
-  scalars' ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
+  the loader for the layout: FP8's V^T (of the keys' rows, or of a paged sequence's
+  positions), pages (``paged``: the sequence and its last tile, else None),
+  batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the scalars'
+  ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
   ``k_loaded`` / ``v_loaded`` barrier, which ``scratch_for`` sizes to match."""
   copies = (paged_copies(spec, refs, paged[0], start) if paged
             else contiguous_copies(spec, start))
   load_k_tile(spec, refs, scratch, slot, copies, kv_head)
   before_v()
-  if paged:
+  if spec.fp8:
+    # V^T's columns: the keys' rows, or a paged sequence's own (``vt_page_column``)
+    col = vt_page_column(refs, paged[0], start) if paged else start
+    load_vt_tile(spec, refs, scratch, slot, col, kv_head)
+  elif paged:
     load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, *paged)
-  elif spec.fp8:
-    load_vt_tile(spec, refs, scratch, slot, start, kv_head)
   elif spec.kv_unit == 1:
     load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail)
   else:
@@ -995,6 +1002,13 @@ def load_v_tile_paged(spec, refs, scratch, slot, copies, kv_head, i, seq, last_t
     def _(cols=cols, vs=vs):
       for src, rows in copies(refs.v, kv_head, cols):
         plgpu.copy_gmem_to_smem(src, vs.at[slot].at[rows], scratch.v_loaded.at[slot])
+
+
+def vt_page_column(refs, seq, start):
+  """FP8 pages: the V^T column of position `start` of sequence `seq`, whose keys have
+  columns of their own (``operands.transposed_v_pages``: as many per sequence as V^T's
+  width over the block table's rows)."""
+  return seq * (refs.v.shape[-1] // refs.table.shape[0]) + start
 
 
 def load_vt_tile(spec, refs, scratch, slot, start, kv_head):

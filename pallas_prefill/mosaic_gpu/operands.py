@@ -6,9 +6,9 @@ past the last key may hold anything, NaN included, and 0 * NaN would poison P.V)
 batch-invariant tiles the ``2 * block_kv`` rows centred on the end of the keys, from
 which the kernel reads every tile that runs past it; with aligned tiles the tile that
 ends with the 8-row group of the last key; for a paged cache each sequence's last V tile.
-Small pages gathered into contiguous K/V; FP8's V^T (``transposed_v``: a small
-Triton-lowered kernel). Q, K and V themselves are passed as
-they are (only arrays shorter than one tile are padded to one).
+Small pages gathered into contiguous K/V; FP8's V^T (``transposed_v``, and from a paged
+cache ``transposed_v_pages``: small Triton-lowered kernels). Q, K and V themselves are
+passed as they are (only arrays shorter than one tile are padded to one).
 """
 
 from __future__ import annotations
@@ -196,6 +196,70 @@ def transposed_v(v, q_offsets, kv_rows, cols, *, p_order=False, interpret=False)
   return lax.bitcast_convert_type(vt, v.dtype)
 
 
+def vt_page_columns(capacity: int, page_size: int, block_kv: int) -> int:
+  """The V^T columns per sequence of ``transposed_v_pages``: the block table's capacity
+  (``max_pages * page_size`` keys) rounded up to whole programs of the kernel and whole
+  KV tiles, so that every tile the attention kernel reads lies in its sequence's
+  columns."""
+  step = max(block_kv, min(page_size, VT_KEYS))
+  return -(-capacity // step) * step
+
+
+def _vt_pages_kernel(table_ref, kv_len_ref, v_ref, vt_ref, *, piece, cols, tile, p_order):
+  """One program: positions [r0, r0 + piece) of sequence b's keys for one K/V head, all
+  in one page (``piece`` divides the page or is all of it), read from the page its block
+  table names, the positions past its keys zeroed, stored as [depth, piece] at V^T
+  columns b * cols + r0 (``p_order``: in ``key_ordered``'s order). Programs past the
+  sequence's last KV tile (``tile`` keys) store nothing: no tile reads those columns."""
+  j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_pages, page_size = v_ref.shape[:2]
+  r0 = j * piece
+  n = kv_len_ref[b]
+
+  @pl.when(r0 < (n + tile - 1) // tile * tile)
+  def _():
+    col = jnp.minimum(r0 // page_size, table_ref.shape[1] - 1)
+    page = jnp.clip(table_ref[b, col], 0, num_pages - 1)
+    live = r0 + jnp.arange(piece, dtype=jnp.int32) < n
+    x = plt.load(v_ref.at[page, pl.ds(r0 % page_size, piece), h, :], mask=live[:, None],
+                 other=0)
+    vt = jnp.where(live[:, None], x, 0).T
+    if p_order:
+      vt = key_ordered(vt)
+    plt.store(vt_ref.at[h, :, pl.ds(b * cols + r0, piece)], vt)
+
+
+def transposed_v_pages(v_pages, block_table, kv_len, *, block_kv, p_order=False,
+                       interpret=False):
+  """FP8's V^T from a paged cache, read in place: [num_kv_heads, v_depth, batch * cols]
+  (``vt_page_columns``), sequence b's key at position p in column b * cols + p, its
+  positions past kv_len[b] zeroed up to its last KV tile's end (stale cache rows may hold
+  NaN, and 0 * NaN would reach P.V), the columns past that not written (no tile reads
+  them). v_pages [num_pages, page_size, num_kv_heads, v_depth] (1-byte elements, the
+  depth a power of two), block_table [batch, max_pages] (ids clamped to the pages there
+  are), kv_len [batch] int32 in [0, capacity] (``work_list.paged_kv_lengths``). One
+  Triton-lowered Pallas kernel, a program per (piece of a page, sequence, K/V head), so
+  that only the keys the sequences have are moved: in place of gathering the whole block
+  table's capacity (``gathered_pages``) and transposing that. ``p_order``: as
+  ``transposed_v``'s."""
+  num_pages, page_size, num_kv_heads, depth = v_pages.shape
+  batch, max_pages = block_table.shape
+  piece = min(page_size, VT_KEYS)
+  cols = vt_page_columns(max_pages * page_size, page_size, block_kv)
+  bits = lax.bitcast_convert_type(v_pages, jnp.uint8)
+  ins = (block_table.astype(jnp.int32), kv_len.astype(jnp.int32), bits)
+  out = partitioning.output_struct(ins, (num_kv_heads, depth, batch * cols), jnp.uint8)
+  kernel = functools.partial(_vt_pages_kernel, piece=piece, cols=cols,
+                             tile=max(block_kv, piece), p_order=p_order)
+  vt = pl.pallas_call(
+      kernel, grid=(cols // piece, batch, num_kv_heads),
+      in_specs=[pl.no_block_spec] * 3, out_specs=pl.no_block_spec, out_shape=out,
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret, name="fp8_v_transposed",
+  )(*ins)
+  return lax.bitcast_convert_type(vt, v_pages.dtype)
+
+
 def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True,
                  p_order=False):
   """FP8's extra operands: V transposed, [num_kv_heads, v_depth, rows] with rows a
@@ -282,20 +346,24 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
       x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   q_rows = padded_rows(total_q, config.block_q)
   if block_table is not None:
-    # The kernel reads the pages: each sequence's last V tile comes from v_last, a copy
-    # with the rows past its keys zeroed, and no key group is special (tail8 = -1).
+    # The kernel reads the pages, and no key group is special (tail8 = -1): each
+    # sequence's last V tile comes from v_last, a copy with the rows past its keys zeroed;
+    # FP8's V^T from the pages (``transposed_v_pages``) has those zeros already.
     num_pages, page_size = v.shape[:2]
-    cache_lengths, capacity = paged_cache
     ids = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
-    kv_len = paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity)
-    pos = (jnp.maximum(kv_len - 1, 0) // config.block_kv * config.block_kv)[:, None] + (
-        jnp.arange(config.block_kv, dtype=jnp.int32))
-    page = jnp.take_along_axis(ids, jnp.minimum(pos // page_size, ids.shape[1] - 1), 1)
-    v_last = jnp.where((pos < kv_len[:, None])[..., None, None], v[page, pos % page_size],
-                       jnp.zeros((), v.dtype))
     inputs = [table, scalars]
     inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
-    inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops) + [v, v_last, ids]
+    inputs += [grow(x, q_rows) for x in q_ops] + list(k_ops)
+    if fp8 is not None:
+      inputs += [fp8[0], ids, *fp8[1:]]
+    else:
+      kv_len = paged_kv_lengths(q_offsets, total_q, *paged_cache)
+      pos = (jnp.maximum(kv_len - 1, 0) // config.block_kv * config.block_kv)[:, None] + (
+          jnp.arange(config.block_kv, dtype=jnp.int32))
+      page = jnp.take_along_axis(ids, jnp.minimum(pos // page_size, ids.shape[1] - 1), 1)
+      v_last = jnp.where((pos < kv_len[:, None])[..., None, None], v[page, pos % page_size],
+                         jnp.zeros((), v.dtype))
+      inputs += [v, v_last, ids]
     return inputs, (lse_slot if return_lse else None), programs
   bkv = config.block_kv
   if fp8 is not None:  # V^T's columns past the last key are zeros already: no v_tail

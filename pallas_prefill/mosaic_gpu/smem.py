@@ -113,10 +113,10 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
       # Contiguous V: two copies per chunk (``primitives.load_rows``), batch-invariant
-      # tiles one; FP8's V^T one per chunk and buffer (``groups``); paged: one per chunk
-      # and page. (Each copy is one arrival: a count above the copies never completes,
-      # and the kernel hangs.)
-      v_loaded=barrier(num_arrivals=(pages if paged else groups if fp8 else
+      # tiles one; FP8's V^T one per chunk and buffer (``groups``), paged or not; paged
+      # V: one per chunk and page. (Each copy is one arrival: a count above the copies
+      # never completes, and the kernel hangs.)
+      v_loaded=barrier(num_arrivals=(groups if fp8 else pages if paged else
                                      1 if one_v_copy else 2) * v_chunks,
                        num_barriers=slots),
       k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
