@@ -555,7 +555,8 @@ def test_fp8_paged_workload_runs_mosaic_gpu_on_an_h200(kind):
   FP8 pages in place (``config.prefers_triton``), beside the small Triton-lowered kernel
   of V^T (``operands.transposed_v_pages``). (The system's own jitted call picks
   interpret mode on the CPU.)"""
-  from tests.test_lowering import lower_for_h200, triton_calls  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.test_lowering import lower_for_h200, triton_calls
   workload = wl.WORKLOADS["chunked8x512_page64"]
   quantized = sy.quantize_problem(sy.make_problem(kind, workload, 0))
   p8 = quantized.problem

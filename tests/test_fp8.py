@@ -990,7 +990,8 @@ def test_fp8_paged_mha_lowers_for_an_h200(backend, page_size, q_dtype, expect):
 def test_fp8_pages_read_in_place_or_gathered(page_size, options, native, monkeypatch):
   """FP8 pages of 64 rows or more reach the kernel as pages (its spec's page size),
   smaller ones, or any with ``MosaicOptions.fp8_native_pages`` off, gathered."""
-  from tests.test_mosaic import _kernel_spec, _paged_lowering  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.test_mosaic import _kernel_spec, _paged_lowering
   config = pp.MosaicConfig(options=pp.MosaicOptions(**options))
   spec = _kernel_spec(_paged_lowering(page_size, E4, config), monkeypatch)
   assert spec.fp8 and spec.page_size == (page_size if native else None), spec
