@@ -53,10 +53,11 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       [num_kv_heads] or [batch, num_kv_heads]; the real values are the FP8 values times
       their scales (a query head takes its K/V head's). The output defaults to bfloat16
       for an FP8 q. What runs where: on Hopper ``auto`` runs an e4m3 q, k and v on
-      Mosaic GPU as FP8 matrix products; e5m2, FP8 pages and a bf16/f16 q over FP8 k/v
-      on the Triton kernel, which widens the FP8 tiles to 16 bits (and uses such a q as
-      given). ``backend="mosaic_gpu"`` also serves FP8 pages (gathered into contiguous
-      K/V first: slower than Triton on the H200) and a bf16/f16 q, which the call then
+      Mosaic GPU as FP8 matrix products, FP8 pages included (pages of 64 rows or more
+      read in place, V transposed by a small kernel before it; smaller ones gathered
+      into contiguous K/V first); e5m2 and a bf16/f16 q over FP8 k/v on the Triton
+      kernel, which widens the FP8 tiles to 16 bits (and uses such a q as given).
+      ``backend="mosaic_gpu"`` also serves a bf16/f16 q, which the call then
       quantizes to e4m3 per (sequence, K/V head): divided by the largest finite |q| over
       the sequence's rows and the K/V head's query heads over 448 (1 where that is 0), a
       scale the logits are then multiplied by. That costs accuracy: on the H200, 3.0e-2

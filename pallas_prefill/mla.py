@@ -56,7 +56,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       ``cap * tanh(logits / cap)`` after the scale, before the mask, as in ``mha_prefill``.
     q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
       ``mha_prefill`` (issue 24; what runs where is said there: e4m3 on Mosaic GPU,
-      e5m2, FP8 pages and a bf16/f16 q on Triton under ``auto``): each a scalar,
+      FP8 pages included; e5m2 and a bf16/f16 q on Triton under ``auto``): each a scalar,
       [num_kv_heads] or [batch, num_kv_heads], with float8_e4m3fn / float8_e5m2 k_nope,
       k_rope and v (and q, or a bf16/f16 q, which takes no q_scale: on Mosaic GPU the
       call quantizes it to e4m3 as ``mha_prefill`` says, one scale per (sequence, K/V
