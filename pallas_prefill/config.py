@@ -315,8 +315,8 @@ def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   GPU measured 1.36x to 2.0x Triton on every paged workload of the harness, short
   prompts included: BUILD_NOTES.md) or FP8 under an FP8 q (pages read in place, V^T of
   the sequences' keys from a small kernel: 3.2x Triton's FP8 call on MHA and MLA
-  chunked8x512_page64 in ncu's device time, twenty-sixth session; 16-row pages, which
-  it gathers, 2.6x / 1.8x). Always on a bf16/f16 q (``q_dtype``) over FP8 K/V, which
+  chunked8x512_page64 in ncu's device time, twenty-sixth session; gathered first, as
+  it does pages under 64 rows, 2.6x / 1.8x there). Always on a bf16/f16 q (``q_dtype``) over FP8 K/V, which
   Mosaic GPU quantizes to e4m3 (relative error 1.5e-1 against q as given with outlier
   channels, over issue 24's 5e-2; Triton uses q as given). A case the table lacks runs
   Mosaic GPU."""
