@@ -316,10 +316,10 @@ def prefers_triton(qk_depth: int, v_depth: int, dtype, mask, max_prompt_len: int
   prompts included: BUILD_NOTES.md) or FP8 under an FP8 q (pages read in place, V^T of
   the sequences' keys from a small kernel: 3.2x Triton's FP8 call on MHA and MLA
   chunked8x512_page64 in ncu's device time, twenty-sixth session; gathered first, as
-  it does pages under 64 rows, 2.6x / 1.8x there). Always on a bf16/f16 q (``q_dtype``) over FP8 K/V, which
-  Mosaic GPU quantizes to e4m3 (relative error 1.5e-1 against q as given with outlier
-  channels, over issue 24's 5e-2; Triton uses q as given). A case the table lacks runs
-  Mosaic GPU."""
+  it does pages under 64 rows, 2.6x / 1.8x there). Always on a bf16/f16 q
+  (``q_dtype``) over FP8 K/V, which Mosaic GPU quantizes to e4m3 (relative error 1.5e-1
+  against q as given with outlier channels, over issue 24's 5e-2; Triton uses q as
+  given). A case the table lacks runs Mosaic GPU."""
   del max_prompt_len
   if is_fp8(dtype) and q_dtype is not None and not is_fp8(q_dtype):
     return True
