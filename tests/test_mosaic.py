@@ -1182,12 +1182,7 @@ def _paged_lowering(page_size, dtype=jnp.bfloat16, config=None):
     return pp.mha_prefill(q, k, v, off, max_prompt_len=4096, backend="mosaic_gpu",
                           interpret=False, config=config, **scales)
 
-  def lower():
-    args = [jax.ShapeDtypeStruct(x.shape, dtype if x.dtype == jnp.bfloat16 else x.dtype)
-            for x in _paged_mha(page_size=page_size)]
-    return lower_for_h200(fn, *args)
-
-  return lower
+  return lambda: lower_for_h200(fn, *_paged_mha(page_size=page_size, dtype=dtype))
 
 
 ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
@@ -1415,10 +1410,11 @@ def test_inside_shard_map_over_two_h200s(kind, backend, kernel):
   assert out.shape == (1000, 8, 128) and lse.shape == (1000, 8)
 
 
-def _paged_mha(total_q=1000, page_size=64, num_pages=40, max_pages=12, batch=5):
+def _paged_mha(total_q=1000, page_size=64, num_pages=40, max_pages=12, batch=5,
+               dtype=jnp.bfloat16):
   s = jax.ShapeDtypeStruct
-  pages = s((num_pages, page_size, 2, 128), jnp.bfloat16)
-  return (s((total_q, 8, 128), jnp.bfloat16), pages, pages, s((batch + 1,), jnp.int32),
+  pages = s((num_pages, page_size, 2, 128), dtype)
+  return (s((total_q, 8, 128), dtype), pages, pages, s((batch + 1,), jnp.int32),
           s((batch, max_pages), jnp.int32), s((batch,), jnp.int32))
 
 
