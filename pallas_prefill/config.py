@@ -132,6 +132,12 @@ class MosaicOptions:
       per KV tile: 1.085x the FP8 call on the H200 (MHA equal4x4096, skew16_16k,
       short64; MLA 1.085x-1.087x; BUILD_NOTES.md, twenty-third session). False: P
       through shared memory.
+    fp8_vt_in_kernel: FP8's V^T made in the kernel: the producer warpgroup brings V
+      tiles by TMA as they are and transposes each in shared memory
+      (``primitives.transpose_v_tile``: FlashAttention-3's byte permutes), zeroing the
+      keys that are not the sequence's, so that no pass over HBM writes V^T first
+      (``operands.transposed_v``, ``transposed_v_pages``), packed or paged. K/V tiles of
+      128 or 256 keys; others make V^T first as before. False: V^T from its own pass.
   """
 
   dynamic: bool = True
@@ -149,11 +155,13 @@ class MosaicOptions:
   soft_cap_scaled_q: bool = True
   fp8_p_registers: bool = True
   fp8_native_pages: bool = True
+  fp8_vt_in_kernel: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
-                 "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages"):
+                 "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
+                 "fp8_vt_in_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

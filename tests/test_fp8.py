@@ -1255,3 +1255,119 @@ def test_fp8_compiled_mosaic_gpu_write_kv_then_prefill(kind, page_size, q_dtype)
 def test_fp8_compiled_mosaic_gpu_padded(case, dtype, q_dtype, scale_shape):
   check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison,
                    backend="mosaic_gpu", q_quantized=True)
+
+
+# ---------------------------------------------------------------------------------------
+# V^T made in the kernel (``MosaicOptions.fp8_vt_in_kernel``): the producer warpgroup's
+# transpose of each V tile in shared memory (``primitives.transpose_v_tile``).
+
+def _swizzled_vt(raw, lo, hi, *, p_order):
+  """``primitives.vt_unit``'s plan for one [128 keys, 64 columns] V tile run in NumPy by
+  all 128 threads: the swizzled V^T buffer (64 x 128 bytes) it stores, how many times
+  each byte was stored, and the banks of every warp's loads and stores."""
+  words = raw.view("<u4")  # [keys, 16]: a key's columns 4d .. 4d + 3 in word d
+  out = np.zeros(64 * 128, np.uint8)
+  stored = np.zeros(64 * 128, np.int64)
+  banks = []
+  lane = np.arange(32)
+  for warp in range(4):
+    for j in range(primitives.VT_UNITS):
+      load_keys, byte_keys, dq, stores, sel_lo, sel_hi = primitives.vt_unit(
+          lane, warp, j, p_order=p_order)
+      banks += [(k * 64 + 4 * dq) // 4 % 32 for k in load_keys]
+      banks += [np.asarray(s) // 4 % 32 for s in stores]
+      mask = np.zeros(32, np.uint32)
+      for i, k in enumerate(byte_keys):
+        mask |= np.where((k >= lo) & (k < hi), np.uint32(0xFF << (8 * i)), np.uint32(0))
+      loaded = [words[k, dq] for k in load_keys]
+      for r, word in enumerate(primitives.vt_unit_model(loaded, (sel_lo, sel_hi))):
+        for byte in range(4):
+          at = stores[r] + byte
+          out[at] = (word & mask) >> np.uint32(8 * byte) & np.uint32(0xFF)
+          np.add.at(stored, at, 1)
+  return out, stored, banks
+
+
+@pytest.mark.parametrize("p_order", [False, True], ids=["keys", "p_order"])
+@pytest.mark.parametrize("lo,hi", [(0, 128), (5, 77), (0, 0), (17, 128), (0, 1)])
+def test_fp8_vt_in_kernel_transpose_plan(lo, hi, p_order):
+  """The producer's transpose stores every byte of the swizzled V^T buffer once: V^T of
+  the tile (keys in P's register order with ``p_order``), the keys outside [lo, hi)
+  zeroed (NaN bit patterns of live keys kept), and no warp's load or store touches a
+  shared-memory bank twice."""
+  rng = np.random.default_rng(lo * 131 + hi)
+  raw = rng.integers(0, 256, (128, 64), dtype=np.uint8)
+  raw[lo:hi:7, :3] = 0x7F  # e4m3 NaN
+  out, stored, banks = _swizzled_vt(raw, lo, hi, p_order=p_order)
+  assert (stored == 1).all(), "a byte stored twice or never"
+  rows = np.arange(64)[:, None]
+  logical = out.reshape(64, 8, 16)[rows, np.arange(8)[None, :] ^ (rows % 8)].reshape(64, 128)
+  keys = np.arange(128)
+  want = np.where(((keys >= lo) & (keys < hi))[:, None], raw, 0).T  # [columns, keys]
+  if p_order:
+    want = want[:, primitives.fp8_p_key(keys)]
+  np.testing.assert_array_equal(logical, want)
+  for b in banks:
+    assert len(set(np.asarray(b).tolist())) == 32, "bank conflict"
+
+
+def test_fp8_vt_in_kernel_lowers_for_an_h200():
+  """With ``fp8_vt_in_kernel`` FP8 Mosaic GPU calls, packed and paged, lower with no V^T
+  pass (no Triton-lowered call), V reaching the kernel as it is."""
+  from tests.test_lowering import lower_for_h200, triton_calls  # pylint: disable=g-import-not-at-top
+  config = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
+
+  def packed(q, k, v, off, qs, ks, vs):
+    return pp.mha_prefill(q, k, v, off, max_prompt_len=512, q_scale=qs, k_scale=ks,
+                          v_scale=vs, interpret=False, backend="mosaic_gpu", config=config)
+
+  low = lower_for_h200(packed, S((1000, 8, 128), E4), S((1000, 2, 128), E4),
+                       S((1000, 2, 128), E4), S((5,), jnp.int32), S((), jnp.float32),
+                       S((2,), jnp.float32), S((4, 2), jnp.float32))
+  assert "custom_call @mosaic_gpu" in low.as_text() and not triton_calls(low)
+  table, cache = S((4, 40), jnp.int32), S((4,), jnp.int32)
+  kv = pp.PagedKV(S((160, 64, 8, 128), E4), table, cache)
+
+  def paged(q, k, v, off, ks, vs):
+    return pp.mha_prefill(q, k, v, off, max_prompt_len=512, k_scale=ks, v_scale=vs,
+                          q_scale=jnp.float32(0.5), interpret=False, backend="mosaic_gpu",
+                          config=config)
+
+  low = lower_for_h200(paged, S((2048, 32, 128), E4), kv, kv, S((5,), jnp.int32),
+                       S((4, 8), jnp.float32), S((8,), jnp.float32))
+  text = low.as_text()
+  assert "custom_call @mosaic_gpu" in text and not triton_calls(low)
+  assert "tensor<160x64x8x128xf8E4M3FN>" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_kv", [128, 256])
+@pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES
+                                  if c.dtype == "float8_e4m3fn"], ids=lambda c: c.name)
+def test_fp8_compiled_mosaic_gpu_vt_in_kernel(case, block_kv):
+  """``MosaicOptions.fp8_vt_in_kernel`` on every FP8 e4m3 case Mosaic GPU serves."""
+  options = pp.MosaicOptions(fp8_vt_in_kernel=True)
+  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
+                 config=pp.MosaicConfig(block_kv=block_kv, options=options),
+                 q_quantized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_compiled_mosaic_gpu_vt_in_kernel_write_kv(kind, page_size):
+  """``fp8_vt_in_kernel`` on FP8 pages whose slots past each sequence's keys hold NaN."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
+  check_write_kv_then_prefill(kind, interpret=False, poison=_poison, page_size=page_size,
+                              backend="mosaic_gpu", config=config, q_quantized=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype,q_dtype,scale_shape",
+                         [c for c in DPA_CASES + MOSAIC_DPA_CASES if c[1] == "float8_e4m3fn"],
+                         ids=lambda x: getattr(x, "name", str(x)))
+def test_fp8_compiled_mosaic_gpu_vt_in_kernel_padded(case, dtype, q_dtype, scale_shape):
+  """``fp8_vt_in_kernel`` on padded e4m3 batches whose padding rows hold NaN."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
+  check_fp8_padded(case, dtype, q_dtype, scale_shape, interpret=False, poison=_poison,
+                   backend="mosaic_gpu", config=config, q_quantized=True)

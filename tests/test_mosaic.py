@@ -1186,6 +1186,7 @@ def _paged_lowering(page_size, dtype=jnp.bfloat16, config=None):
 
 
 ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
+VT_IN_KERNEL = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
 
 
 @pytest.mark.parametrize("name,lower", [
@@ -1200,16 +1201,24 @@ ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
     ("pages of 16, gathered", _paged_lowering(16)),
     ("fp8 pages of 64", _paged_lowering(64, jnp.float8_e4m3fn)),
     ("fp8 pages of 256", _paged_lowering(256, jnp.float8_e4m3fn)),
+    ("fp8 V^T in kernel", Lowered(dtype="float8_e4m3fn", config=VT_IN_KERNEL).lower),
+    ("fp8 pages of 64, V^T in kernel", _paged_lowering(64, jnp.float8_e4m3fn, VT_IN_KERNEL)),
+    ("fp8 pages of 64, 256-key tiles, V^T in kernel", _paged_lowering(
+        64, jnp.float8_e4m3fn, dataclasses.replace(VT_IN_KERNEL, block_kv=256))),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
   """On every path of ``kernel.load_kv_tile`` (V from the arrays or from ``v_tail``, the
-  aligned tiles' head tile and tail group, a paged sequence's last tile and the others),
-  the copies that signal ``k_loaded`` and ``v_loaded`` are as many as the barriers that
+  aligned tiles' head tile and tail group, a paged sequence's last tile and the others;
+  FP8's V tiles for the producer's transpose), the copies (and arrivals) that signal
+  ``k_loaded``, ``v_loaded`` and ``v_raw_loaded`` are as many as the barriers that
   ``kernel.scratch_for`` allocates expect."""
   spec = _kernel_spec(lower, monkeypatch)
+  assert spec.vt_in_kernel == ("in kernel" in name), spec
   scratch = mosaic_kernel.scratch_for(spec)
   expected = dict(k_loaded=scratch.k_loaded.num_arrivals,
                   v_loaded=scratch.v_loaded.num_arrivals)
+  if spec.vt_in_kernel:
+    expected["v_raw_loaded"] = scratch.v_raw_loaded.num_arrivals
   counts = {}
 
   def copy(src, dst, barrier, **kwargs):
@@ -1220,6 +1229,11 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
     return lambda body: body() if bool(condition) else None
 
   monkeypatch.setattr(mosaic_kernel.plgpu, "copy_gmem_to_smem", copy)
+  monkeypatch.setattr(mosaic_kernel.plgpu, "barrier_arrive",
+                      lambda barrier: copy(None, None, barrier))
+  monkeypatch.setattr(mosaic_kernel.plgpu, "barrier_wait", lambda barrier: None)
+  monkeypatch.setattr(mosaic_kernel.plgpu, "commit_smem", lambda: None)
+  monkeypatch.setattr(mosaic_kernel.primitives, "transpose_v_tile", lambda *a, **k: None)
   monkeypatch.setattr(mosaic_kernel.pl, "when", when)
   refs = mosaic_kernel.Refs(
       meta=None, scalars=None, sink=None, q=[], k=[_View()] * spec.n_k, v=_View(),
@@ -1227,7 +1241,8 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
       table=jnp.arange(48, dtype=jnp.int32).reshape(4, 12))
   fake = type("FakeScratch", (), dict(
       k=[(_View(), None)] * len(spec.chunks), v=[(_View(), None)] * (spec.v_depth // 64),
-      k_loaded=_View("k_loaded"), v_loaded=_View("v_loaded")))
+      k_loaded=_View("k_loaded"), v_loaded=_View("v_loaded"),
+      v_raw=[_View()] * (spec.v_depth // 64), v_raw_loaded=_View("v_raw_loaded")))
   bkv, i32 = spec.block_kv, jnp.int32
   kv_tail = 1000
   if spec.page_size is not None:  # (i, start): a middle tile and the sequence's last
@@ -1245,6 +1260,8 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
     mosaic_kernel.load_kv_tile(spec, refs, fake, 0, i32(args["start"]), i32(0),
                                i32(args["i"]), args["paged"], i32(args["tail8"]),
                                i32(kv_tail))
+    if spec.vt_in_kernel:  # the producer's transpose signals v_loaded
+      mosaic_kernel.transpose_vt_tile(spec, fake, 0, i32(args["start"]), (i32(0), i32(kv_tail)))
     assert counts == expected, (name, path)
 
 

@@ -27,6 +27,7 @@ from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel, fixed
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
 from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
+from pallas_prefill.mosaic_gpu.smem import vt_in_kernel as smem_vt_in_kernel
 from pallas_prefill.mosaic_gpu.work_list import paged_kv_lengths
 
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
@@ -94,8 +95,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   (``operands.gathered_pages``). Split units need
   dynamic scheduling (``smem.splits``): without it, the units are shared. FP8
   (``scales``: the logits' and V's dequantization factors, each [batch, num_kv_heads]
-  float32): V goes to the kernel transposed, and the factors as they are
-  (``fp8_operands``); a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale
+  float32): V goes to the kernel transposed (``fp8_operands``), or as it is where the
+  kernel transposes its tiles (``smem.vt_in_kernel``), and the factors as they are; a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale
   per (sequence, K/V head) multiplied into the logits' factor (``quantized_q``)."""
   total_q, num_heads, _ = q_ops[0].shape
   num_kv_heads, v_depth = v.shape[-2:]
@@ -121,7 +122,10 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
   extra = None
-  if fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages
+  vt_in_kernel = fp8 and smem_vt_in_kernel(config, v_depth)
+  if vt_in_kernel:  # V as it is: the kernel transposes its tiles
+    extra = (v, *scales)
+  elif fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages
     kv_len = paged_kv_lengths(q_offsets, total_q, *paged_cache)
     extra = (prepare.transposed_v_pages(v, block_table, kv_len, block_kv=config.block_kv,
                                         p_order=config.options.fp8_p_registers), *scales)
@@ -156,7 +160,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       fixed_max=fixed_maximum(soft_cap * LOG2_E) if (
           capped_bf16 and config.options.soft_cap_fixed_max) else None,
       scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
-      p_registers=fp8 and config.options.fp8_p_registers,
+      p_registers=fp8 and config.options.fp8_p_registers, vt_in_kernel=vt_in_kernel,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:

@@ -136,7 +136,9 @@ class KernelSpec:
   rescale; scaled_q: soft-capped, each unit's Q times scale / cap in shared memory
   (``scale_q``, ``MosaicOptions.soft_cap_scaled_q``), the scores then tanh's argument;
   p_registers: FP8's P.V takes P from registers (``primitives.fp8_a_operand``, V^T's keys
-  in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory.
+  in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; vt_in_kernel:
+  FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
+  warpgroup (``smem.vt_in_kernel``, ``transpose_vt_tile``).
   """
 
   parts: tuple
@@ -168,6 +170,7 @@ class KernelSpec:
   fixed_max: float | None = None
   scaled_q: bool = False
   p_registers: bool = False
+  vt_in_kernel: bool = False
 
   @property
   def fold_fp8(self) -> bool:
@@ -207,7 +210,7 @@ class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
   V (FP8: transposed, [num_kv_heads, v_depth, rows], or for pages [num_kv_heads, v_depth,
-  batch * columns per sequence]), ``v_tail`` (None for FP8), the block table (paged only,
+  batch * columns per sequence]; as it is with ``KernelSpec.vt_in_kernel``), ``v_tail`` (None for FP8), the block table (paged only,
   else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor and
   V's, else None), the output and the per-item LSE (or None)."""
 
@@ -264,7 +267,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      p_smem=not spec.p_registers)
+      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -913,17 +916,28 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
     if spec.page_size is not None:
       seq = meta(L.SEQ)
       paged = (seq, lax.div(jnp.maximum(meta(L.KV_LEN) - 1, 0), jnp.int32(spec.block_kv)))
+    # The sequence's keys: [first, end) rows of K/V, or a paged sequence's positions
+    first = 0 if paged else meta(L.KV_START)
+    keys = (first, first + meta(L.KV_LEN))
+
+    slot = lambda i: units.slot_of(i, base, item_lo)  # noqa: E731
+    reuse = lambda i: base + i - item_lo >= spec.num_stages  # noqa: E731
+    v_free = lambda i: pl.when(reuse(i))(  # noqa: E731
+        lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot(i)]))
+
+    def transpose(i):  # (``KernelSpec.vt_in_kernel``) tile i's V^T
+      transpose_vt_tile(spec, scratch, slot(i), tile_row(i), keys, before=lambda: v_free(i))
 
     @pl.loop(item_lo, item_hi)
     def _load(i):
-      slot = units.slot_of(i, base, item_lo)
-      start = tile_row(i)
-      reuse = base + i - item_lo >= spec.num_stages
-      pl.when(reuse)(lambda: plgpu.barrier_wait(scratch.k_consumed.at[slot]))
-      load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_tail,
-                   before_v=lambda: pl.when(reuse)(
-                       lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot])))
+      pl.when(reuse(i))(lambda: plgpu.barrier_wait(scratch.k_consumed.at[slot(i)]))
+      load_kv_tile(spec, refs, scratch, slot(i), tile_row(i), kv_head, i, paged, tail8,
+                   kv_tail, before_v=lambda: v_free(i))
+      if spec.vt_in_kernel:  # the last tile's V^T while this one's V arrives
+        pl.when(i > item_lo)(lambda: transpose(i - 1))
 
+    if spec.vt_in_kernel:
+      pl.when(item_hi > item_lo)(lambda: transpose(item_hi - 1))
     return base + item_hi - item_lo
 
   units.for_each_unit(load_item, lambda hw: None, units.publish)
@@ -933,7 +947,9 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
                  before_v=lambda: None):
   """TMA of KV tile i (first row `start`) into `slot`: K, then (after ``before_v``) V by
   the loader for the layout: FP8's V^T (of the keys' rows, or of a paged sequence's
-  positions), pages (``paged``: the sequence and its last tile, else None),
+  positions; with ``KernelSpec.vt_in_kernel`` V's tile into the slot's ``v_raw``
+  buffers, for ``transpose_vt_tile``, with no wait: those are the producer's own),
+  pages (``paged``: the sequence and its last tile, else None),
   batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the scalars'
   ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
   ``k_loaded`` / ``v_loaded`` barrier, which ``scratch_for`` sizes to match."""
@@ -941,7 +957,11 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
             else contiguous_copies(spec, start))
   load_k_tile(spec, refs, scratch, slot, copies, kv_head)
   before_v()
-  if spec.fp8:
+  if spec.vt_in_kernel:
+    for c, raw in enumerate(scratch.v_raw):
+      for src, rows in copies(refs.v, kv_head, pl.ds(c * L.CHUNK, L.CHUNK)):
+        plgpu.copy_gmem_to_smem(src, raw.at[slot].at[rows], scratch.v_raw_loaded.at[slot])
+  elif spec.fp8:
     # V^T's columns: the keys' rows, or a paged sequence's own (``vt_page_column``)
     col = vt_page_column(refs, paged[0], start) if paged else start
     load_vt_tile(spec, refs, scratch, slot, col, kv_head)
@@ -1022,6 +1042,24 @@ def load_vt_tile(spec, refs, scratch, slot, start, kv_head):
       plgpu.copy_gmem_to_smem(
           refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start + g * keys, keys)],
           fill.at[slot * groups + g], scratch.v_loaded.at[slot])
+
+
+def transpose_vt_tile(spec, scratch, slot, start, keys, *, before=lambda: None):
+  """FP8 (``KernelSpec.vt_in_kernel``): once its V tile (at row or position `start`) is in
+  the slot's ``v_raw`` buffers (``load_kv_tile``) and, after ``before``, the slot's V^T
+  buffers are free, this (producer) warpgroup stores the tile's V^T there, the keys
+  outside the sequence's ``keys`` [first, end) zeroed (``primitives.transpose_v_tile``),
+  fences it for the matrix products and signals ``v_loaded``: one arrival. The raw
+  buffers are free again after the fence (this warpgroup was their last reader)."""
+  before()
+  plgpu.barrier_wait(scratch.v_raw_loaded.at[slot])
+  lo = jnp.clip(keys[0] - start, 0, spec.block_kv)
+  hi = jnp.clip(keys[1] - start, 0, spec.block_kv)
+  for raw, (vt, _) in zip(scratch.v_raw, scratch.v):
+    primitives.transpose_v_tile(raw, vt, slot, lo, hi, groups=L.vt_groups(spec.block_kv),
+                                p_order=spec.p_registers)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(scratch.v_loaded.at[slot])
 
 
 def load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail):

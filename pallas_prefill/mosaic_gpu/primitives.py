@@ -232,3 +232,172 @@ def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
     plgpu.copy_gmem_to_smem(src(pl.ds(last8 * 8, 8)), dst.at[pl.ds(head, 8)], barrier)
 
 
+
+
+# FP8's V^T from V in the kernel (``MosaicOptions.fp8_vt_in_kernel``): the producer
+# warpgroup transposes each V tile in shared memory, FlashAttention-3's way (4-byte loads,
+# byte permutes, 4-byte stores). A V^T buffer is 64 rows (V's columns) of ``VT_GROUP`` keys,
+# 128 bytes a row with TMA's 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)),
+# the matrix products' B operand. A thread's unit is 4 of V's columns x 4 keys: 4 loads
+# (one key's 4 columns each) from the untiled V tile (64-byte rows), 8 permutes, 4 stores
+# (one column's 4 keys each); 512 units a buffer, 4 a thread.
+VT_UNITS = 4  # units a thread per V^T buffer (512 / 128 threads)
+_PRMT_SWAP = 0x4444  # turns a permute's selector into the one with its operands swapped
+
+
+def vt_unit(lane, warp, j, *, p_order: bool):
+  """Unit j of a producer thread (``lane`` 0..31 of warp ``warp`` 0..3 of the warpgroup):
+  (keys in load order, keys in byte order, first of its 4 columns of V, byte offsets of
+  its 4 stores in the swizzled V^T buffer (column r's at index r), the two selectors of
+  its first permutes). Plain integer arithmetic (+, *, &, ^, >>), so that the kernel runs
+  it on MLIR values (``_I32``) and the tests on NumPy arrays, and checks there: every
+  (column, key) pair exactly once, and no shared-memory bank conflict at any load or
+  store (lanes 16-31 load their keys in swapped pairs, so that a warp's 32 loads fall on
+  rows of both parities; their permutes swap back).
+
+  The keys of a thread's 4 stored bytes are V^T's columns 4 * lane + (0..3): in
+  ``fp8_p_key``'s order with ``p_order`` (keys 16G + 2q + (0, 1, 8, 9), G = lane / 4,
+  q = lane % 4), else consecutive."""
+  half = lane >> 4
+  dq = (lane + 4 * warp + j) & 15  # the unit's columns of V: 4dq .. 4dq + 3
+  g16, q = lane >> 2, lane & 3
+  base, offs = (16 * g16 + 2 * q, (0, 1, 8, 9)) if p_order else (16 * g16 + 4 * q, (0, 1, 2, 3))
+  load_keys = [base + (o ^ half) for o in offs]
+  byte_keys = [base + o for o in offs]
+  stores = []
+  for r in range(4):
+    row = 4 * dq + r
+    stores.append(row * L.VT_GROUP + ((g16 ^ (row & 7)) << 4) + 4 * q)
+  return load_keys, byte_keys, dq, stores, 0x5140 ^ (half * _PRMT_SWAP), 0x7362 ^ (
+      half * _PRMT_SWAP)
+
+
+# One unit: $0-$3 the load addresses, $4-$7 the store addresses, $8 and $9 the first
+# permutes' selectors, $10 the mask of the keys that are the sequence's (0xFF a byte).
+_VT_UNIT_PTX = "\n".join([
+    "{",
+    ".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, o;",
+    "ld.shared.b32 w0, [$0];",
+    "ld.shared.b32 w1, [$1];",
+    "ld.shared.b32 w2, [$2];",
+    "ld.shared.b32 w3, [$3];",
+    "prmt.b32 t0, w0, w1, $8;",
+    "prmt.b32 t1, w0, w1, $9;",
+    "prmt.b32 t2, w2, w3, $8;",
+    "prmt.b32 t3, w2, w3, $9;",
+    "prmt.b32 o, t0, t2, 0x5410;",
+    "and.b32 o, o, $10;",
+    "st.shared.b32 [$4], o;",
+    "prmt.b32 o, t0, t2, 0x7632;",
+    "and.b32 o, o, $10;",
+    "st.shared.b32 [$5], o;",
+    "prmt.b32 o, t1, t3, 0x5410;",
+    "and.b32 o, o, $10;",
+    "st.shared.b32 [$6], o;",
+    "prmt.b32 o, t1, t3, 0x7632;",
+    "and.b32 o, o, $10;",
+    "st.shared.b32 [$7], o;",
+    "}",
+])
+
+
+def prmt_model(a, b, selector):
+  """PTX ``prmt.b32`` (default mode) in NumPy: byte i of the result is byte
+  (selector >> 4i) & 7 of the 8 bytes b:a (a's are 0-3)."""
+  a, b, selector = (np.asarray(x, np.uint64) for x in (a, b, selector))
+  both = a | (b << np.uint64(32))
+  out = np.zeros(np.broadcast(a, b, selector).shape, np.uint64)
+  for i in range(4):
+    pick = (selector >> np.uint64(4 * i)) & np.uint64(7)
+    out |= ((both >> (pick * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * i)
+  return out.astype(np.uint32)
+
+
+def vt_unit_model(words, selectors):
+  """``_VT_UNIT_PTX``'s permutes in NumPy: the 4 loaded words (any shape each) and the
+  first permutes' selectors -> the 4 stored words (before the mask)."""
+  w0, w1, w2, w3 = words
+  lo, hi = selectors
+  t0, t1 = prmt_model(w0, w1, lo), prmt_model(w0, w1, hi)
+  t2, t3 = prmt_model(w2, w3, lo), prmt_model(w2, w3, hi)
+  return [prmt_model(t0, t2, 0x5410), prmt_model(t0, t2, 0x7632),
+          prmt_model(t1, t3, 0x5410), prmt_model(t1, t3, 0x7632)]
+
+
+class _I32:
+  """An i32 MLIR value with the integer operators ``vt_unit`` uses."""
+
+  def __init__(self, value):
+    self.v = value
+
+  @staticmethod
+  def of(x):
+    if isinstance(x, _I32):
+      return x.v
+    return arith.constant(ir.IntegerType.get_signless(32), int(x))
+
+  def _op(self, op, other, swap=False):
+    a, b = self.v, _I32.of(other)
+    return _I32(op(b, a) if swap else op(a, b))
+
+  __add__ = lambda s, o: s._op(arith.addi, o)  # noqa: E731
+  __radd__ = lambda s, o: s._op(arith.addi, o, True)  # noqa: E731
+  __mul__ = lambda s, o: s._op(arith.muli, o)  # noqa: E731
+  __rmul__ = lambda s, o: s._op(arith.muli, o, True)  # noqa: E731
+  __and__ = lambda s, o: s._op(arith.andi, o)  # noqa: E731
+  __xor__ = lambda s, o: s._op(arith.xori, o)  # noqa: E731
+  __rxor__ = lambda s, o: s._op(arith.xori, o, True)  # noqa: E731
+  __rshift__ = lambda s, o: s._op(arith.shrui, o)  # noqa: E731
+  __lshift__ = lambda s, o: s._op(arith.shli, o)  # noqa: E731
+
+
+def _smem_address(ref):
+  """The 32-bit shared-memory address of a shared-memory memref's first element."""
+  try:  # jax 0.11: the address space is an argument
+    ptr = mgpu.utils.memref_ptr(ref, memory_space=3)
+  except TypeError:  # later: read from the memref's type
+    ptr = mgpu.utils.memref_ptr(ref)
+  return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
+
+
+def transpose_v_tile(raw, vt, slot, lo, hi, *, groups: int, p_order: bool):
+  """FP8: V^T of K/V slot ``slot`` from its V tile, by the producer warpgroup (all of its
+  threads; ``vt_unit``). ``raw``: one 64-column chunk of V tiles, [slots, block_kv, 64]
+  untiled, as TMA filled it; ``vt``: that chunk's V^T buffers, [slots * groups, 64,
+  L.VT_GROUP], an untransformed view of the swizzled bytes the matrix products read.
+  The tile's keys outside [lo, hi) (traced int32, tile rows) are stored as zeros: a
+  neighbour's, padding or stale cache rows may hold NaN, and 0 * NaN would reach P.V. The
+  caller fences the stores for the matrix products (``plgpu.commit_smem``)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+  def transpose(_, raw_ref, vt_ref, s, a, b):
+    i32 = ir.IntegerType.get_signless(32)
+    s, a, b = (x.registers[()] for x in (s, a, b))
+    tid = _I32(arith.remui(mgpu.utils.thread_idx(), arith.constant(i32, 128)))
+    lane, warp = tid & 31, tid >> 5
+    block_kv = ir.MemRefType(raw_ref.type).shape[1]
+    raw_base = _I32(_smem_address(raw_ref)) + _I32(s) * (block_kv * 64)
+    vt_base = _I32(_smem_address(vt_ref)) + _I32(s) * (groups * 64 * L.VT_GROUP)
+    void = ir.Type.parse("!llvm.void")
+    for g in range(groups):
+      mask = None
+      for j in range(VT_UNITS):
+        load_keys, byte_keys, dq, stores, sel_lo, sel_hi = vt_unit(lane, warp, j,
+                                                                   p_order=p_order)
+        if mask is None:  # (the keys depend on the lane only)
+          mask = _I32(arith.constant(i32, 0))
+          for i, key in enumerate(byte_keys):
+            k = (key + g * L.VT_GROUP).v
+            live = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, k, a),
+                              arith.cmpi(arith.CmpIPredicate.slt, k, b))
+            byte = arith.select(live, arith.constant(i32, 0xFF << (8 * i)),
+                                arith.constant(i32, 0))
+            mask = _I32(arith.ori(mask.v, byte))
+        src = [(raw_base + (key + g * L.VT_GROUP) * 64 + 4 * dq).v for key in load_keys]
+        dst = [(vt_base + g * 64 * L.VT_GROUP + off).v for off in stores]
+        llvm.inline_asm(void, [*src, *dst, sel_lo.v, sel_hi.v, mask.v], _VT_UNIT_PTX,
+                        ",".join(["r"] * 11), has_side_effects=True)
+
+  transpose(raw, vt, jnp.asarray(slot, jnp.int32), jnp.asarray(lo, jnp.int32),
+            jnp.asarray(hi, jnp.int32))
