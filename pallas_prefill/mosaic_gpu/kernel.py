@@ -210,9 +210,10 @@ class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
   V (FP8: transposed, [num_kv_heads, v_depth, rows], or for pages [num_kv_heads, v_depth,
-  batch * columns per sequence]; as it is with ``KernelSpec.vt_in_kernel``), ``v_tail`` (None for FP8), the block table (paged only,
-  else None), FP8's scales (each [batch, num_kv_heads] float32: the logits' factor and
-  V's, else None), the output and the per-item LSE (or None)."""
+  batch * columns per sequence]; as it is with ``KernelSpec.vt_in_kernel``), ``v_tail``
+  (None for FP8), the block table (paged only, else None), FP8's scales (each [batch,
+  num_kv_heads] float32: the logits' factor and V's, else None), the output and the
+  per-item LSE (or None)."""
 
   meta: object
   scalars: object
@@ -948,7 +949,8 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
   """TMA of KV tile i (first row `start`) into `slot`: K, then (after ``before_v``) V by
   the loader for the layout: FP8's V^T (of the keys' rows, or of a paged sequence's
   positions; with ``KernelSpec.vt_in_kernel`` V's tile into the slot's ``v_raw``
-  buffers, for ``transpose_vt_tile``, with no wait: those are the producer's own),
+  buffers, for ``transpose_vt_tile``, without ``before_v``: those are the producer's own,
+  and the V^T buffers' wait is the transpose's),
   pages (``paged``: the sequence and its last tile, else None),
   batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the scalars'
   ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
@@ -956,12 +958,13 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
   copies = (paged_copies(spec, refs, paged[0], start) if paged
             else contiguous_copies(spec, start))
   load_k_tile(spec, refs, scratch, slot, copies, kv_head)
-  before_v()
-  if spec.vt_in_kernel:
+  if spec.vt_in_kernel:  # (``before_v`` is ``transpose_vt_tile``'s, once)
     for c, raw in enumerate(scratch.v_raw):
       for src, rows in copies(refs.v, kv_head, pl.ds(c * L.CHUNK, L.CHUNK)):
         plgpu.copy_gmem_to_smem(src, raw.at[slot].at[rows], scratch.v_raw_loaded.at[slot])
-  elif spec.fp8:
+    return
+  before_v()
+  if spec.fp8:
     # V^T's columns: the keys' rows, or a paged sequence's own (``vt_page_column``)
     col = vt_page_column(refs, paged[0], start) if paged else start
     load_vt_tile(spec, refs, scratch, slot, col, kv_head)
