@@ -1272,15 +1272,16 @@ def _swizzled_vt(raw, lo, hi, *, p_order):
   lane = np.arange(32)
   for warp in range(4):
     for j in range(primitives.VT_UNITS):
-      load_keys, byte_keys, dq, stores, sel_lo, sel_hi = primitives.vt_unit(
-          lane, warp, j, p_order=p_order)
+      unit = primitives.vt_unit(lane, warp, j, p_order=p_order)
+      _, _, dq, _, _, sel, byte_keys = unit
+      load_keys, stores = primitives.vt_unit_addresses(unit, p_order=p_order)
       banks += [(k * 64 + 4 * dq) // 4 % 32 for k in load_keys]
       banks += [np.asarray(s) // 4 % 32 for s in stores]
       mask = np.zeros(32, np.uint32)
       for i, k in enumerate(byte_keys):
         mask |= np.where((k >= lo) & (k < hi), np.uint32(0xFF << (8 * i)), np.uint32(0))
       loaded = [words[k, dq] for k in load_keys]
-      for r, word in enumerate(primitives.vt_unit_model(loaded, (sel_lo, sel_hi))):
+      for r, word in enumerate(primitives.vt_unit_model(loaded, (sel, sel ^ 0x2222))):
         for byte in range(4):
           at = stores[r] + byte
           out[at] = (word & mask) >> np.uint32(8 * byte) & np.uint32(0xFF)

@@ -246,59 +246,64 @@ _PRMT_SWAP = 0x4444  # turns a permute's selector into the one with its operands
 
 
 def vt_unit(lane, warp, j, *, p_order: bool):
-  """Unit j of a producer thread (``lane`` 0..31 of warp ``warp`` 0..3 of the warpgroup):
-  (keys in load order, keys in byte order, first of its 4 columns of V, byte offsets of
-  its 4 stores in the swizzled V^T buffer (column r's at index r), the two selectors of
-  its first permutes). Plain integer arithmetic (+, *, &, ^, >>), so that the kernel runs
-  it on MLIR values (``_I32``) and the tests on NumPy arrays, and checks there: every
-  (column, key) pair exactly once, and no shared-memory bank conflict at any load or
-  store (lanes 16-31 load their keys in swapped pairs, so that a warp's 32 loads fall on
-  rows of both parities; their permutes swap back).
+  """Unit j of a producer thread (``lane`` 0..31 of warp ``warp`` 0..3 of the warpgroup),
+  in the compact form ``_vt_unit_ptx`` takes (few live registers: the producer has 40):
+  (a, b, dq, dst, swz, sel, byte_keys). Its 4 loads are keys a, b, a + step, b + step
+  (``vt_unit_step``; byte 64 * key + 4 * dq of the V tile), its 4 stores (V^T row
+  4 dq + r, r = 0..3) at byte dst + 128 r + (swz ^ 16 r) of the swizzled V^T buffer;
+  ``sel`` is its first permutes' selector (the second's is sel ^ 0x2222), ``byte_keys``
+  the keys of each stored word's bytes (V^T's columns 4 * lane + 0..3). Plain integer
+  arithmetic (+, -, *, &, ^, <<, >>), so that the kernel runs it on MLIR values
+  (``_I32``) and the tests on NumPy arrays (``vt_unit_addresses``), and check there:
+  every (column, key) pair stored once, and no shared-memory bank conflict at any load
+  or store (lanes 16-31 load their keys in swapped pairs, so that a warp's 32 loads fall
+  on rows of both parities; their permutes swap back).
 
-  The keys of a thread's 4 stored bytes are V^T's columns 4 * lane + (0..3): in
-  ``fp8_p_key``'s order with ``p_order`` (keys 16G + 2q + (0, 1, 8, 9), G = lane / 4,
-  q = lane % 4), else consecutive."""
+  The keys of a thread's stored bytes are in ``fp8_p_key``'s order with ``p_order``
+  (16G + 2q + (0, 1, 8, 9), G = lane / 4, q = lane % 4), else consecutive."""
   half = lane >> 4
   dq = (lane + 4 * warp + j) & 15  # the unit's columns of V: 4dq .. 4dq + 3
   g16, q = lane >> 2, lane & 3
-  base, offs = (16 * g16 + 2 * q, (0, 1, 8, 9)) if p_order else (16 * g16 + 4 * q, (0, 1, 2, 3))
-  load_keys = [base + (o ^ half) for o in offs]
-  byte_keys = [base + o for o in offs]
-  stores = []
-  for r in range(4):
-    row = 4 * dq + r
-    stores.append(row * L.VT_GROUP + ((g16 ^ (row & 7)) << 4) + 4 * q)
-  return load_keys, byte_keys, dq, stores, 0x5140 ^ (half * _PRMT_SWAP), 0x7362 ^ (
-      half * _PRMT_SWAP)
+  base = 16 * g16 + 2 * q if p_order else 16 * g16 + 4 * q
+  step = vt_unit_step(p_order)
+  byte_keys = [base, base + 1, base + step, base + step + 1]
+  # Row 4dq + r's 16-byte chunk: G ^ ((4dq + r) % 8) = (G ^ 4 (dq % 2)) ^ r (r < 4)
+  swz = (g16 ^ (4 * (dq & 1))) << 4
+  dst = 4 * L.VT_GROUP * dq + 4 * q
+  a = base + half  # lanes 16-31: keys base + 1, base first
+  return a, base + 1 - half, dq, dst, swz, 0x5140 ^ (half * _PRMT_SWAP), byte_keys
 
 
-# One unit: $0-$3 the load addresses, $4-$7 the store addresses, $8 and $9 the first
-# permutes' selectors, $10 the mask of the keys that are the sequence's (0xFF a byte).
-_VT_UNIT_PTX = "\n".join([
-    "{",
-    ".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, o;",
-    "ld.shared.b32 w0, [$0];",
-    "ld.shared.b32 w1, [$1];",
-    "ld.shared.b32 w2, [$2];",
-    "ld.shared.b32 w3, [$3];",
-    "prmt.b32 t0, w0, w1, $8;",
-    "prmt.b32 t1, w0, w1, $9;",
-    "prmt.b32 t2, w2, w3, $8;",
-    "prmt.b32 t3, w2, w3, $9;",
-    "prmt.b32 o, t0, t2, 0x5410;",
-    "and.b32 o, o, $10;",
-    "st.shared.b32 [$4], o;",
-    "prmt.b32 o, t0, t2, 0x7632;",
-    "and.b32 o, o, $10;",
-    "st.shared.b32 [$5], o;",
-    "prmt.b32 o, t1, t3, 0x5410;",
-    "and.b32 o, o, $10;",
-    "st.shared.b32 [$6], o;",
-    "prmt.b32 o, t1, t3, 0x7632;",
-    "and.b32 o, o, $10;",
-    "st.shared.b32 [$7], o;",
-    "}",
-])
+def vt_unit_step(p_order: bool) -> int:
+  """The keys between a unit's two pairs (``vt_unit``)."""
+  return 8 if p_order else 2
+
+
+def vt_unit_addresses(unit, *, p_order: bool):
+  """``vt_unit``'s unit expanded as ``_vt_unit_ptx`` does: (keys in load order, byte
+  offsets of the 4 stores, r = 0..3)."""
+  a, b, _, dst, swz, _, _ = unit
+  step = vt_unit_step(p_order)
+  return ([a, b, a + step, b + step],
+          [dst + L.VT_GROUP * r + (swz ^ (16 * r)) for r in range(4)])
+
+
+def _vt_unit_ptx(step_bytes: int) -> str:
+  """One unit (``vt_unit``): $0 and $1 the load addresses of keys a and b, the other two
+  ``step_bytes`` on; $2 the store base (dst), $3 the swizzle bits (swz), $4 the first
+  permutes' selector, $5 the mask of the keys that are the sequence's (0xFF a byte)."""
+  lines = ["{", ".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, o, s, a;",
+           "ld.shared.b32 w0, [$0];", "ld.shared.b32 w1, [$1];",
+           f"ld.shared.b32 w2, [$0+{step_bytes}];", f"ld.shared.b32 w3, [$1+{step_bytes}];",
+           "xor.b32 s, $4, 0x2222;",
+           "prmt.b32 t0, w0, w1, $4;", "prmt.b32 t1, w0, w1, s;",
+           "prmt.b32 t2, w2, w3, $4;", "prmt.b32 t3, w2, w3, s;"]
+  for r, (x, y, sel) in enumerate([("t0", "t2", "0x5410"), ("t0", "t2", "0x7632"),
+                                   ("t1", "t3", "0x5410"), ("t1", "t3", "0x7632")]):
+    lines += [f"prmt.b32 o, {x}, {y}, {sel};", "and.b32 o, o, $5;",
+              f"xor.b32 a, $3, {16 * r};", "add.u32 a, a, $2;",
+              f"st.shared.b32 [a+{L.VT_GROUP * r}], o;"]
+  return "\n".join(lines + ["}"])
 
 
 def prmt_model(a, b, selector):
@@ -314,7 +319,7 @@ def prmt_model(a, b, selector):
 
 
 def vt_unit_model(words, selectors):
-  """``_VT_UNIT_PTX``'s permutes in NumPy: the 4 loaded words (any shape each) and the
+  """``_vt_unit_ptx``'s permutes in NumPy: the 4 loaded words (any shape each) and the
   first permutes' selectors -> the 4 stored words (before the mask)."""
   w0, w1, w2, w3 = words
   lo, hi = selectors
@@ -341,6 +346,7 @@ class _I32:
     return _I32(op(b, a) if swap else op(a, b))
 
   __add__ = lambda s, o: s._op(arith.addi, o)  # noqa: E731
+  __sub__ = lambda s, o: s._op(arith.subi, o)  # noqa: E731
   __radd__ = lambda s, o: s._op(arith.addi, o, True)  # noqa: E731
   __mul__ = lambda s, o: s._op(arith.muli, o)  # noqa: E731
   __rmul__ = lambda s, o: s._op(arith.muli, o, True)  # noqa: E731
@@ -380,11 +386,11 @@ def transpose_v_tile(raw, vt, slot, lo, hi, *, groups: int, p_order: bool):
     raw_base = _I32(_smem_address(raw_ref)) + _I32(s) * (block_kv * 64)
     vt_base = _I32(_smem_address(vt_ref)) + _I32(s) * (groups * 64 * L.VT_GROUP)
     void = ir.Type.parse("!llvm.void")
+    step_bytes = 64 * vt_unit_step(p_order)
     for g in range(groups):
       mask = None
       for j in range(VT_UNITS):
-        load_keys, byte_keys, dq, stores, sel_lo, sel_hi = vt_unit(lane, warp, j,
-                                                                   p_order=p_order)
+        a_key, b_key, dq, dst, swz, sel, byte_keys = vt_unit(lane, warp, j, p_order=p_order)
         if mask is None:  # (the keys depend on the lane only)
           mask = _I32(arith.constant(i32, 0))
           for i, key in enumerate(byte_keys):
@@ -394,10 +400,10 @@ def transpose_v_tile(raw, vt, slot, lo, hi, *, groups: int, p_order: bool):
             byte = arith.select(live, arith.constant(i32, 0xFF << (8 * i)),
                                 arith.constant(i32, 0))
             mask = _I32(arith.ori(mask.v, byte))
-        src = [(raw_base + (key + g * L.VT_GROUP) * 64 + 4 * dq).v for key in load_keys]
-        dst = [(vt_base + g * 64 * L.VT_GROUP + off).v for off in stores]
-        llvm.inline_asm(void, [*src, *dst, sel_lo.v, sel_hi.v, mask.v], _VT_UNIT_PTX,
-                        ",".join(["r"] * 11), has_side_effects=True)
+        src = [(raw_base + (key + g * L.VT_GROUP) * 64 + 4 * dq).v for key in (a_key, b_key)]
+        llvm.inline_asm(void, [*src, (vt_base + g * 64 * L.VT_GROUP + dst).v, swz.v, sel.v,
+                               mask.v], _vt_unit_ptx(step_bytes), ",".join(["r"] * 6),
+                        has_side_effects=True)
 
   transpose(raw, vt, jnp.asarray(slot, jnp.int32), jnp.asarray(lo, jnp.int32),
             jnp.asarray(hi, jnp.int32))
