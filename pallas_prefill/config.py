@@ -136,8 +136,13 @@ class MosaicOptions:
       tiles by TMA as they are and transposes each in shared memory
       (``primitives.transpose_v_tile``: FlashAttention-3's byte permutes), zeroing the
       keys that are not the sequence's, so that no pass over HBM writes V^T first
-      (``operands.transposed_v``, ``transposed_v_pages``), packed or paged. K/V tiles of
-      128 or 256 keys; others make V^T first as before. False: V^T from its own pass.
+      (``operands.transposed_v``, ``transposed_v_pages``), packed or paged, and the
+      paged call allocates no V^T of the block table's capacity (1.14 GB for MLA's 128
+      heads over 8 sequences of up to 8,704 keys). K/V tiles of 128 or 256 keys; others
+      make V^T first as before. Off by default: on the H200 0.82x (MHA equal4x4096),
+      0.83x (MHA chunked8x512_page64), 0.87x (MLA equal4x4096) and 0.99x (MLA
+      chunked8x512_page64) the V^T pass's call (BUILD_NOTES.md, twenty-seventh session:
+      the transpose's instructions share the compute warpgroups' issue slots).
   """
 
   dynamic: bool = True

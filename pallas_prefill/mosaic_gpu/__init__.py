@@ -26,8 +26,8 @@ from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel, fixed_maximum
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
-from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
-from pallas_prefill.mosaic_gpu.smem import vt_in_kernel as smem_vt_in_kernel
+from pallas_prefill.mosaic_gpu.smem import (fitted, output_buffers, smem_bytes, splits,
+                                             vt_made_in_kernel)
 from pallas_prefill.mosaic_gpu.work_list import paged_kv_lengths
 
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
@@ -96,8 +96,9 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   dynamic scheduling (``smem.splits``): without it, the units are shared. FP8
   (``scales``: the logits' and V's dequantization factors, each [batch, num_kv_heads]
   float32): V goes to the kernel transposed (``fp8_operands``), or as it is where the
-  kernel transposes its tiles (``smem.vt_in_kernel``), and the factors as they are; a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale
-  per (sequence, K/V head) multiplied into the logits' factor (``quantized_q``)."""
+  kernel transposes its tiles (``smem.vt_made_in_kernel``), and the factors as they are;
+  a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale per (sequence, K/V
+  head) multiplied into the logits' factor (``quantized_q``)."""
   total_q, num_heads, _ = q_ops[0].shape
   num_kv_heads, v_depth = v.shape[-2:]
   fp8 = is_fp8(v.dtype)
@@ -122,7 +123,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     scales = (scales[0] * q_scale, scales[1])
   rows = L.COMPUTE_WGS * config.block_q
   extra = None
-  vt_in_kernel = fp8 and smem_vt_in_kernel(config, v_depth)
+  vt_in_kernel = fp8 and vt_made_in_kernel(config, v_depth)
   if vt_in_kernel:  # V as it is: the kernel transposes its tiles
     extra = (v, *scales)
   elif fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages

@@ -138,7 +138,7 @@ class KernelSpec:
   p_registers: FP8's P.V takes P from registers (``primitives.fp8_a_operand``, V^T's keys
   in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; vt_in_kernel:
   FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
-  warpgroup (``smem.vt_in_kernel``, ``transpose_vt_tile``).
+  warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``).
   """
 
   parts: tuple

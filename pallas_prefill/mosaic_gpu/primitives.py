@@ -1,7 +1,8 @@
 """Mosaic GPU primitives the kernel needs that Pallas does not expose: PTX named barriers
 with a traced id, a fused multiply-add before ``ex2.approx`` (or before a polynomial exp2
-on the FMA pipes), the atomic claim of the next unit, and the two-copy TMA of a row range
-whose last 8 rows may come from elsewhere."""
+on the FMA pipes), the atomic claim of the next unit, the two-copy TMA of a row range
+whose last 8 rows may come from elsewhere, and FP8's V tile transposed in shared memory
+(``transpose_v_tile``)."""
 
 from __future__ import annotations
 
@@ -230,8 +231,6 @@ def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
   @pl.when(last8 != tail_group)
   def _():
     plgpu.copy_gmem_to_smem(src(pl.ds(last8 * 8, 8)), dst.at[pl.ds(head, 8)], barrier)
-
-
 
 
 # FP8's V^T from V in the kernel (``MosaicOptions.fp8_vt_in_kernel``): the producer

@@ -163,7 +163,7 @@ def allocated_bytes(spec: Scratch) -> int:
   return total
 
 
-def vt_in_kernel(config: MosaicConfig, v_depth: int) -> bool:
+def vt_made_in_kernel(config: MosaicConfig, v_depth: int) -> bool:
   """Whether an FP8 kernel makes its V^T from V tiles itself
   (``MosaicOptions.fp8_vt_in_kernel``): where a V^T buffer's row is
   ``layout.VT_GROUP`` keys: K/V tiles of 128 or 256 keys (and V's depth a
@@ -187,7 +187,7 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
       p_smem=not config.options.fp8_p_registers,
-      vt_in_kernel=vt_in_kernel(config, v_depth)))
+      vt_in_kernel=vt_made_in_kernel(config, v_depth)))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
