@@ -164,7 +164,7 @@ class Prepared:
 
 
 # The MosaicConfig fields that --mosaic-options may set beside MosaicOptions' own.
-MOSAIC_CONFIG_FIELDS = ("split_units", "block_kv", "num_stages", "num_programs")
+MOSAIC_CONFIG_FIELDS = ("split_units", "block_kv", "num_stages", "num_programs", "compute_wgs")
 
 
 def _split_mosaic_options(options):

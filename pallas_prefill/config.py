@@ -192,7 +192,7 @@ class MosaicConfig:
   """Tiling of the Mosaic GPU (Hopper) kernels, ``backend="mosaic_gpu"``.
 
   Attributes:
-    block_q: query rows per compute warpgroup (each program has two): 64.
+    block_q: query rows per compute warpgroup (``compute_wgs`` of them a program): 64.
     block_kv: key/value rows per pipeline stage: 64 or 128; or 256 for FP8 (e4m3) with P
       from registers (``MosaicOptions.fp8_p_registers``, the default), whose P.V then runs
       as two products of 128 keys each (a 256-key tile fits shared memory in two stages).
@@ -211,6 +211,12 @@ class MosaicConfig:
       128. Opt-in (on the H200 +4 % on short prompts, slower on long ones); needs dynamic
       scheduling (``options.dynamic``, the default), without which the units are shared.
     options: ``MosaicOptions``, the program choices A/B runs compare.
+    compute_wgs: compute warpgroups per program, 2 or 3, each with ``block_q`` query
+      rows of the program's work item (``compute_wgs * block_q`` rows). Three put three
+      softmax chains on each warp scheduler instead of two, for 160 registers a compute
+      thread instead of 232 (and 32 for the producer: the 64K of an SM); not with
+      ``split_units``. ``config=None`` picks 3 for FP8 at depth 128 (on the H200 1.02x
+      to 1.07x two); bf16's kernel spills registers at 160 (0.5x two).
   """
 
   block_q: int = 64
@@ -219,6 +225,7 @@ class MosaicConfig:
   num_programs: int | None = None
   split_units: bool = False
   options: MosaicOptions = MosaicOptions()
+  compute_wgs: int = 2
 
   def __post_init__(self):
     if not isinstance(self.options, MosaicOptions):
@@ -240,6 +247,11 @@ class MosaicConfig:
                        f"{self.num_programs!r}")
     if not isinstance(self.split_units, bool):
       raise ValueError(f"MosaicConfig.split_units must be a bool, got {self.split_units!r}")
+    if not _is_int(self.compute_wgs) or self.compute_wgs not in (2, 3):
+      raise ValueError(f"MosaicConfig.compute_wgs must be 2 or 3, got {self.compute_wgs!r}")
+    if self.compute_wgs != 2 and self.split_units:
+      raise ValueError("MosaicConfig.split_units runs two compute warpgroups (a K/V stream "
+                       f"each): compute_wgs must be 2, got {self.compute_wgs}")
 
 
 LONG_PROMPT = 1024  # max_prompt_len above this picks the "long" tuned entry
@@ -288,8 +300,13 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   """The Mosaic GPU configuration ``config=None`` uses, the same for every
   ``max_prompt_len`` (batch invariance: ``_length_free_entry``): the tuned entry for the
   device, else 128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows
-  of K and V would not fit shared memory twice over (MLA's 192 + 128)."""
+  of K and V would not fit shared memory twice over (MLA's 192 + 128). FP8 (e4m3) at
+  depth 128 (MHA's) runs three compute warpgroups (``MosaicConfig.compute_wgs``): on the
+  H200 1.02x-1.07x two on the harness's MHA workloads; MLA's 192 + 128 (0.95x-1.00x)
+  and bf16 (whose kernel spills at 160 registers a thread: 0.5x) keep two."""
   del max_prompt_len  # (the tiles must not depend on it)
+  if is_fp8(dtype) and qk_depth == v_depth == 128:
+    return MosaicConfig(block_kv=128, num_stages=2, compute_wgs=3)
   tuned = _length_free_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask)
   if tuned is not None:
     return MosaicConfig(*tuned[:4])

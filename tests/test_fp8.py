@@ -1230,6 +1230,16 @@ def test_fp8_compiled_mosaic_gpu_wide_tiles(case):
                  config=pp.MosaicConfig(block_kv=256), q_quantized=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in FP8_CASES + MOSAIC_FP8_CASES
+                                  if c.dtype == "float8_e4m3fn"], ids=lambda c: c.name)
+def test_fp8_compiled_mosaic_gpu_three_wgs(case):
+  """Three compute warpgroups (``MosaicConfig.compute_wgs=3``) on every FP8 e4m3 case
+  Mosaic GPU serves."""
+  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
+                 config=pp.MosaicConfig(compute_wgs=3), q_quantized=True)
+
+
 # Mosaic GPU on what it serves since FP8 pages and FP8 KV caches under a bf16/f16 q came
 # (``backend="mosaic_gpu"``: the same cases as the CPU's modelled kernel above).
 

@@ -199,7 +199,8 @@ def test_mosaic_ignores_nan_past_the_last_key(case):
   cases.check_outputs(case, result, expected, last_row, 0)
 
 
-@pytest.mark.parametrize("case", test_work_items.WORK_CASES + test_work_items.FP8_WORK_CASES,
+@pytest.mark.parametrize("case", test_work_items.WORK_CASES + test_work_items.FP8_WORK_CASES
+                         + test_work_items.THREE_WGS_WORK_CASES,
                          ids=lambda c: c.name)
 def test_mosaic_work_items_match_xla(case):
   """The work list's Mosaic GPU kernel compiled (per-element loads and stores, barriers)
@@ -430,6 +431,35 @@ def test_mosaic_keyless_units(case):
   the dealt order, XLA's work list, split units, one output buffer (depth 256, MLA with
   the LSE; MLA has no sinks) and V depth 64."""
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
+
+
+# Three compute warpgroups (``MosaicConfig.compute_wgs=3``): every other bf16/f16 case of
+# the matrix at depths whose buffers fit shared memory (not 256), the large ones, and on 3
+# programs (many units each: the turns' ring, slots and phases carried from unit to unit)
+_FITS_THREE = [c for c in MOSAIC_CASES if cases.mosaic_serves(c) and c.head_dim <= 128
+               and (c.head_dim_v or c.head_dim) <= 128]
+THREE_WGS_CASES = [(c, None) for c in _FITS_THREE[::2]] + [
+    (c, programs) for c in _FITS_THREE[-8:] + [
+        _KEYLESS, dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lse=True)]
+    for programs in (None, 3)]
+
+
+@pytest.mark.parametrize("case,programs", THREE_WGS_CASES,
+                         ids=lambda x: x.name if hasattr(x, "name") else str(x))
+def test_mosaic_three_compute_wgs(case, programs):
+  """Cases on three compute warpgroups, with 128-row K/V tiles, or 64-row ones where
+  those do not fit shared memory (MLA)."""
+  for tiles in (dict(), dict(block_kv=64), dict(block_kv=64, num_stages=2)):
+    config = dataclasses.replace(case.config or pp.MosaicConfig(), compute_wgs=3,
+                                 num_programs=programs, **tiles)
+    try:
+      cases.check_case(dataclasses.replace(case, config=config), interpret=False,
+                       poison=poison_device_memory, backend="mosaic_gpu")
+      return
+    except NotImplementedError as e:
+      if "shared memory" not in str(e):
+        raise
+  pytest.fail(f"no K/V tiles fit three compute warpgroups for {case.name}")
 
 
 def _poly(case, eighths):

@@ -116,9 +116,10 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   bq, bkv = config.block_q, config.block_kv
   align = operands.kv_align(config, fp8=False)
   unit = dict(block_kv=bkv, unit=layout.kv_unit(align))
+  wgs = config.compute_wgs
   table, lse_slot, kv_end, n_live = xla_work_list.work_list(
       q_off, kv_rows(kv_off), total_q, total_kv, mask=mask, block_q=bq, block_kv=bkv,
-      paged_cache=paged_cache, page_tiles=native is not None, kv_align=align)
+      paged_cache=paged_cache, page_tiles=native is not None, kv_align=align, wgs=wgs)
   table, lse_slot, kv_end = np.asarray(table), np.asarray(lse_slot), int(kv_end)
   # The persistent programs' units, in the order each runs them (5 programs, so that
   # each runs several), in the order the call picks.
@@ -146,7 +147,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
 
   out = np.full((total_q, heads, dv), np.nan)
   written = np.zeros((total_q, heads), int)
-  lse_buf = np.full((heads, table.shape[0] * 2 * bq), np.nan)
+  lse_buf = np.full((heads, table.shape[0] * wgs * bq), np.nan)
   c = functools.partial(getattr, layout)  # the table columns, layout.Q_START etc.
   for h, w in units:
     t = table[w]
@@ -154,7 +155,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
     kv_start, kv_len = t[c("KV_START")], t[c("KV_LEN")]
     kv_row, kv_last = t[c("KV_ROW")], t[c("KV_LAST")]
     item_lo, item_hi = t[c("T_LO")], t[c("T_HI")]
-    for g in range(layout.COMPUTE_WGS):
+    for g in range(wgs):
       t_lo, u_lo, u_hi, t_hi = t[c("WG_COLS") + 4 * g:c("WG_COLS") + 4 * g + 4]
       assert item_lo <= t_lo <= u_lo <= u_hi <= t_hi <= item_hi, t
       row = (t[c("ROW8")] + g * (bq // 8)) * 8
@@ -169,7 +170,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       acc = np.zeros((bq, dv))
       for i in range(t_lo, t_hi):
         start = int(mosaic_kernel.tile_first_row(kv_row, kv_last, i, **unit))
-        seq = t[c("SEQ")] if native is not None else None  # (paged tables only)
+        seq = t[layout.meta_cols(wgs)] if native is not None else None  # (paged only)
         tile = _tile_reader(native, seq, start, bkv, rows_of)
         s = sum(qx @ tile(kx, kvh if kx.shape[-2] > 1 else 0).T
                 for qx, kx in zip(qs, k_parts)) * scale
@@ -198,7 +199,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       out[row + first:row + first + n_rows, h] = o[stored]
       written[row + first:row + first + n_rows, h] += 1
       lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
-      lse_buf[h, (w * 2 + g) * bq:(w * 2 + g + 1) * bq] = lse
+      lse_buf[h, (w * wgs + g) * bq:(w * wgs + g + 1) * bq] = lse
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
   lse = lse_buf[:, lse_slot].T
   last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
@@ -230,6 +231,21 @@ def test_schedule_matches_reference(case):
   qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
   config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
                                             jnp.bfloat16, case.mask, 1)
+  check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
+
+
+@pytest.mark.parametrize("case", EMULATED[::3] + EMULATED[-4:], ids=lambda c: c.name)
+def test_schedule_with_three_compute_wgs_matches_reference(case):
+  """``MosaicConfig.compute_wgs=3``: items of three 64-row tiles, each compute
+  warpgroup's own KV tile range (``layout.WG_COLS``), the LSE slots of three warpgroups
+  an item: every row written once, against the reference."""
+  seed = cases.fresh_seed()
+  args, kwargs, last_row = cases.make_inputs(case, seed)
+  pad = logits.padded_depth
+  qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
+  config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
+                                            jnp.bfloat16, case.mask, 1)
+  config = dataclasses.replace(config, compute_wgs=3)
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
@@ -499,19 +515,21 @@ def test_dealt_units_end_where_the_static_deal_does(n_units, programs):
   assert sorted(seen) == list(range(n_units))
 
 
-def turn_ops(wg, items, *, guard_empty=True):
-  """The named-barrier operations warpgroup ``wg`` runs for items of the given tile counts
-  (``_kernel``'s turns): (op, barrier) pairs, barrier 0 or 1 for TURN_BARRIER + 0 or 1.
-  Warpgroup 1 starts each item one turn behind; per tile a warpgroup signals the other
-  once its Q.K is issued and waits for the other's signal before P.V; the two meet at the
-  end. ``guard_empty=False`` is an order tried once (run 4 of the seventh session, wait
-  before the issue and pass after, the end wait unguarded) that hangs on an empty item."""
+def turn_ops(wg, items, *, wgs=2, guard_empty=True):
+  """The named-barrier operations warpgroup ``wg`` of ``wgs`` runs for items of the given
+  tile counts (``kernel.Turns``): (op, barrier) pairs, barrier g for the first turn
+  barrier + g. Every warpgroup g > 0 starts each item one turn behind; per tile a
+  warpgroup signals the next (g + 1 mod wgs) once its Q.K is issued and waits for the
+  previous one's signal before P.V; each g < wgs - 1 meets g + 1 at the end.
+  ``guard_empty=False`` (two warpgroups) is an order tried once (run 4 of the seventh
+  session, wait before the issue and pass after, the end wait unguarded) that hangs on an
+  empty item."""
   ops = []
   for n in items:
     if guard_empty:
-      ops += [("sync", 1)] if wg == 1 else []
-      ops += [("arrive", 1 - wg), ("sync", wg)] * n
-      ops += [("sync", 1)] if wg == 0 else []
+      ops += [("sync", wg)] if wg > 0 else []
+      ops += [("arrive", (wg + 1) % wgs), ("sync", wg)] * n
+      ops += [("sync", wg + 1)] if wg < wgs - 1 else []
     else:
       for j in range(n):
         ops += ([] if wg == 0 and j == 0 else [("sync", wg)]) + [("arrive", 1 - wg)]
@@ -520,16 +538,18 @@ def turn_ops(wg, items, *, guard_empty=True):
 
 
 def run_turns(programs, rng) -> str:
-  """Two warpgroups running their named-barrier operations in a random interleaving. A
-  barrier's phase completes when both warpgroups have arrived (``bar.arrive``) or waited
-  (``bar.sync``, which blocks until then); one warpgroup counting twice in a phase would
-  complete it alone. Returns "ok", "deadlock" or "double arrival"."""
-  pc, waiting, phase, arrived = [0, 0], [None, None], [0, 0], [set(), set()]
+  """Warpgroups running their named-barrier operations in a random interleaving. A
+  barrier's phase completes when two warpgroups have arrived (``bar.arrive``) or waited
+  (``bar.sync``, which blocks until then: 256 threads); one warpgroup counting twice in a
+  phase would complete it alone. Returns "ok", "deadlock" or "double arrival"."""
+  n = len(programs)
+  pc, waiting = [0] * n, [None] * n
+  phase, arrived = [0] * n, [set() for _ in range(n)]
   while True:
-    runnable = [w for w in (0, 1) if pc[w] < len(programs[w]) and (
+    runnable = [w for w in range(n) if pc[w] < len(programs[w]) and (
         waiting[w] is None or phase[waiting[w][0]] > waiting[w][1])]
     if not runnable:
-      done = all(pc[w] == len(programs[w]) for w in (0, 1))
+      done = all(pc[w] == len(programs[w]) for w in range(n))
       return "ok" if done and not any(arrived) else "deadlock"
     w = rng.choice(runnable)
     if waiting[w] is not None:  # its barrier's phase completed: go on
@@ -549,18 +569,28 @@ def run_turns(programs, rng) -> str:
       phase[bar] += 1
 
 
-def test_tensor_core_turns_neither_hang_nor_double_signal():
-  """The turn protocol on named barriers, for any sequence of items, empty ones (the
+@pytest.mark.parametrize("wgs", [2, 3])
+def test_tensor_core_turns_neither_hang_nor_double_signal(wgs):
+  """The turn protocol on named barriers (a ring of ``wgs`` compute warpgroups,
+  ``MosaicConfig.compute_wgs``), for any sequence of items, empty ones (the
   pseudo-sequence past offsets[-1], warpgroups without rows) included: every interleaving
   tried ends, and no warpgroup signals twice in one phase. The order that hung the GPU
-  tests once is caught (an empty item between two others)."""
+  tests once is caught (an empty item between two others); so are a ring without the
+  meeting at the end and one without the late start."""
   rng = np.random.default_rng(cases.fresh_seed())
   for _ in range(2000):
     items = list(rng.choice([0, 0, 1, 2, 3, 5], size=rng.integers(1, 7)))
-    programs = [turn_ops(w, items) for w in (0, 1)]
+    programs = [turn_ops(w, items, wgs=wgs) for w in range(wgs)]
     assert run_turns(programs, rng) == "ok", items
-  hang = [turn_ops(w, [2, 0, 3], guard_empty=False) for w in (0, 1)]
-  assert run_turns(hang, rng) == "deadlock"
+  if wgs == 2:
+    hang = [turn_ops(w, [2, 0, 3], guard_empty=False) for w in (0, 1)]
+    assert run_turns(hang, rng) == "deadlock"
+  items = [2, 0, 3, 1]
+  no_end = [[op for op in turn_ops(w, items, wgs=wgs) if op != ("sync", w + 1)]
+            for w in range(wgs)]
+  no_start = [turn_ops(w, items, wgs=wgs)[1 if w > 0 else 0:] for w in range(wgs)]
+  for broken in (no_end, no_start):
+    assert any(run_turns(broken, rng) != "ok" for _ in range(50))
 
 
 def test_zigzag_balances_heaviest_first_units():
@@ -664,6 +694,9 @@ def _mha_args(dtype=jnp.bfloat16, depth=128, rows=256):
     # depth 256 fits with one output buffer, but not with a float32 one and the LSE's
     (jnp.bfloat16, 256, dict(config=pp.MosaicConfig(block_kv=128, num_stages=3)),
      "shared memory"),
+    # three compute warpgroups' Q and output buffers beside two 128-row K/V slots
+    (jnp.bfloat16, 256, dict(config=pp.MosaicConfig(compute_wgs=3)),
+     "shared memory.*compute_wgs=3"),
 ])
 def test_refuses_what_it_cannot_serve(dtype, depth, extra, why):
   with pytest.raises(NotImplementedError, match=why):
@@ -717,7 +750,9 @@ def test_backend_argument_errors():
     pp.mha_prefill(*_mha_args(jnp.float32), max_prompt_len=256, config=pp.MosaicConfig(),
                    interpret=False)
   for bad in (dict(block_q=128), dict(block_kv=32), dict(num_stages=1),
-              dict(num_programs=0), dict(num_programs=True)):
+              dict(num_programs=0), dict(num_programs=True), dict(compute_wgs=4),
+              dict(compute_wgs=1), dict(compute_wgs=3.0), dict(compute_wgs=True),
+              dict(compute_wgs=3, split_units=True)):
     with pytest.raises(ValueError, match="MosaicConfig"):
       pp.MosaicConfig(**bad)
 
@@ -772,6 +807,21 @@ def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
         calls = [(config_lib.default_mosaic_config(qk, v, dtype, mask, n),
                   config_lib.prefers_triton(qk, v, dtype, mask, n)) for n in (64, 4096)]
         assert calls[0] == calls[1], (qk, v, dtype, calls)
+
+
+def test_fp8_at_depth_128_runs_three_compute_wgs_by_default():
+  """``config=None``: FP8 (e4m3) at depth 128 runs three compute warpgroups (measured
+  faster on the H200); MLA's FP8 depths and bf16 keep two; the default fits shared
+  memory with a float32 output and the LSE."""
+  f8, bf16, causal = jnp.float8_e4m3fn, jnp.bfloat16, masks.CausalMask()
+  three = config_lib.default_mosaic_config(128, 128, f8, causal, 4096)
+  assert three.compute_wgs == 3
+  assert config_lib.default_mosaic_config(192, 128, f8, causal, 4096).compute_wgs == 2
+  assert config_lib.default_mosaic_config(64, 64, f8, causal, 4096).compute_wgs == 2
+  assert config_lib.default_mosaic_config(128, 128, bf16, causal, 4096).compute_wgs == 2
+  mha = [logits.QkPart(0, 0, 0, 0, 128)]
+  assert mosaic_gpu.unsupported_reason(mha, 128, f8, jnp.float32, True, three) is None
+  assert mosaic_gpu.fitted(three, mha, 128, f8, jnp.float32, True) == three
 
 
 def test_one_output_buffer_where_shared_memory_holds_no_more():
@@ -1186,6 +1236,7 @@ def _paged_lowering(page_size, dtype=jnp.bfloat16, config=None):
 
 
 ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
+THREE_WGS = pp.MosaicConfig(compute_wgs=3)
 VT_IN_KERNEL = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
 
 
@@ -1196,6 +1247,7 @@ VT_IN_KERNEL = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
     ("mla aligned", Lowered(kind="mla", heads=16, kv_heads=16, config=dataclasses.replace(
         ALIGNED, block_kv=64, num_stages=3)).lower),
     ("fp8", Lowered(dtype="float8_e4m3fn").lower),
+    ("invariant, three compute warpgroups", Lowered(lse=True, config=THREE_WGS).lower),
     ("pages of 64", _paged_lowering(64)),
     ("pages of 256", _paged_lowering(256)),
     ("pages of 16, gathered", _paged_lowering(16)),
@@ -1503,6 +1555,13 @@ MLA_PARTS = [logits.QkPart(0, 0, 0, 0, 128), logits.QkPart(0, 128, 1, 0, 64, sha
      MHA_PARTS),
     (Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, scale_shape=(16,),
              config=pp.MosaicConfig(block_kv=256)), MLA_PARTS),
+    # three compute warpgroups: their Q, output and LSE buffers
+    (Lowered(lse=True, config=THREE_WGS), MHA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", lse=True, config=THREE_WGS), MHA_PARTS),
+    (Lowered(kind="mla", heads=16, kv_heads=16, lse=True,
+             config=dataclasses.replace(THREE_WGS, block_kv=64)), MLA_PARTS),
+    (Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, scale_shape=(16,),
+             config=THREE_WGS), MLA_PARTS),
 ], ids=repr)
 def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
   """``smem.smem_bytes``, which output buffers, fitted configs and refusals follow, is the
@@ -1514,7 +1573,8 @@ def test_smem_bytes_are_what_the_kernel_allocates(problem, parts):
                          problem.config)
   threads, got = mosaic_launches(problem.lower())[-1]
   assert got == want <= layout.SMEM_BYTES
-  assert threads == 128 * (4 if smem.splits(problem.config) else 3)
+  config = problem.config
+  assert threads == 128 * (4 if smem.splits(config) else config.compute_wgs + 1)
 
 
 @pytest.mark.parametrize("problem", [

@@ -32,6 +32,7 @@ class WorkCase:
   extra_rows: int = 9  # query rows past offsets[-1]
   fp8: bool = False  # FP8's table: KV tiles at multiples of 16 keys, the sequence column
   aligned: bool = False  # KV tiles at multiples of 8 (MosaicOptions(batch_invariant=False))
+  wgs: int = 2  # compute warpgroups (``MosaicConfig.compute_wgs``): items of wgs * block_q rows
 
   @property
   def name(self):
@@ -39,7 +40,8 @@ class WorkCase:
             f"-bkv{self.block_kv}-p{self.programs}{'-kv' if self.kv_lens else ''}"
             f"{'-garbage' if self.garbage else ''}"
             f"{'-paged' + str(self.paged[2]) if self.paged else ''}"
-            f"{'-fp8' if self.fp8 else ''}{'-aligned' if self.aligned else ''}")
+            f"{'-fp8' if self.fp8 else ''}{'-aligned' if self.aligned else ''}"
+            f"{'-wgs' + str(self.wgs) if self.wgs != 2 else ''}")
 
 
 _RNG = np.random.default_rng(7)
@@ -83,6 +85,11 @@ FP8_WORK_CASES = [
 # one shifted back
 ALIGNED_WORK_CASES = [
     dataclasses.replace(WORK_CASES[i], aligned=True) for i in (0, 1, 4, 8, 10, 12, 14, 15)]
+# Three compute warpgroups (``MosaicConfig.compute_wgs=3``): items of 192 rows, three
+# warpgroups' tile ranges a row
+THREE_WGS_WORK_CASES = [
+    dataclasses.replace(WORK_CASES[i], wgs=3) for i in (0, 1, 4, 6, 8, 10, 12, 13, 14)] + [
+    dataclasses.replace(FP8_WORK_CASES[i], wgs=3) for i in (0, 1)]
 
 
 def _offsets(lens):
@@ -108,14 +115,14 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   page_tiles = bool(case.paged and case.paged[2])
   off = jnp.asarray(off)
   kw = dict(mask=case.mask, block_q=case.block_q, block_kv=case.block_kv,
-            paged_cache=paged, page_tiles=page_tiles)
+            paged_cache=paged, page_tiles=page_tiles, wgs=case.wgs)
   if case.fp8:
     kw.update(kv_align=16, seq_column=True)
   elif case.aligned:
     kw.update(kv_align=8)
   table, _, kv_end, n_live = xla_work_list.work_list(off, kv_rows(kv_off), total_q, total_kv, **kw)
   if case.fp8:
-    check_fp8_tiles(np.asarray(table), case.block_kv, len(case.lens))
+    check_fp8_tiles(np.asarray(table), case.block_kv, len(case.lens), case.wgs)
   elif not case.aligned:
     check_invariant_tiles(np.asarray(table), page_tiles)
   programs = min(case.programs, case.heads * table.shape[0])
@@ -153,7 +160,7 @@ def check_invariant_tiles(table, page_tiles):
   assert (table[:, layout.KV_LAST] == layout.NO_SHIFT_ROW).all()
 
 
-def check_fp8_tiles(table, block_kv, batch):
+def check_fp8_tiles(table, block_kv, batch, wgs=2):
   """FP8's table: every KV tile starts at a multiple of 16 keys, the tiles of an item with
   any cover its sequence's keys, and the sequence column names a sequence (or the rows
   past the last offset, one more: the kernel clamps it)."""
@@ -164,12 +171,13 @@ def check_fp8_tiles(table, block_kv, batch):
   has = (table[:, layout.T_HI] > table[:, layout.T_LO]) & (length > 0)
   assert (first[has] <= start[has]).all()
   assert (last[has] + block_kv >= start[has] + length[has]).all()
-  assert table.shape[1] == layout.SEQ + 1
-  assert ((table[:, layout.SEQ] >= 0) & (table[:, layout.SEQ] <= batch)).all()
+  seq = layout.meta_cols(wgs)
+  assert table.shape[1] == seq + 1
+  assert ((table[:, seq] >= 0) & (table[:, seq] <= batch)).all()
 
 
-@pytest.mark.parametrize("case", WORK_CASES + FP8_WORK_CASES + ALIGNED_WORK_CASES,
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", WORK_CASES + FP8_WORK_CASES + ALIGNED_WORK_CASES
+                         + THREE_WGS_WORK_CASES, ids=lambda c: c.name)
 def test_work_items_match_xla_in_interpret_mode(case):
   check_work_items(case, interpret=True)
 

@@ -15,7 +15,8 @@ ring of hardware named barriers (warpgroup g's P.V waits until warpgroup g - 1 h
 its Q.K), or no turns. In bf16 and in FP8 (e4m3 Q, K, V; P quantized with the library's
 ``P_BIAS`` and passed from registers by ``primitives.fp8_a_operand``; V^T given, its keys
 in that operand's order). The library's own call on the same shapes and mask runs beside
-it. Each arm is checked against a float32 reference on four query heads first.
+it, with two and with three compute warpgroups (``MosaicConfig.compute_wgs``). Each arm is
+checked against a float32 reference on four query heads first.
 
     python3 -m benchmarks.experiments.compute_wgs [--rounds 3] [--rest 0.3] [--out DIR]
     python3 -m benchmarks.experiments.compute_wgs --lower   # anywhere: lowers every arm
@@ -228,8 +229,12 @@ def reference(q, k, v, heads=4):
   return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v32)
 
 
-def library_call(dtype):
+def library_call(dtype, wgs=2, causal=False):
+  """The library's Mosaic GPU call on the same arrays (packed), with ``wgs`` compute
+  warpgroups (``MosaicConfig.compute_wgs``)."""
   import pallas_prefill as pp  # pylint: disable=g-import-not-at-top
+  config = pp.MosaicConfig(compute_wgs=wgs)
+  mask = pp.masks.CausalMask() if causal else pp.masks.NullMask()
 
   def fn(q, k, v):
     b, t, n, d = q.shape
@@ -240,7 +245,7 @@ def library_call(dtype):
       extra = dict(q_scale=one, k_scale=one, v_scale=one)
     out = pp.mha_prefill(q.reshape(b * t, n, d), k.reshape(b * t, -1, d),
                          v.reshape(b * t, -1, d), offsets, max_prompt_len=t,
-                         mask=pp.masks.NullMask(), backend="mosaic_gpu", **extra)
+                         mask=mask, backend="mosaic_gpu", config=config, **extra)
     return out.reshape(b, t, n, d)
 
   return fn
@@ -266,6 +271,8 @@ def main():
   ap.add_argument("--rest", type=float, default=0.3)
   ap.add_argument("--batch", type=int, default=2)
   ap.add_argument("--seq", type=int, default=6144)
+  ap.add_argument("--library", nargs="*", default=["bf16", "fp8"],
+                  help="dtypes of the library's call, with 2 and 3 compute warpgroups")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   sys.path.insert(0, ".")
@@ -294,8 +301,9 @@ def main():
     q, k, v = inputs[arm.dtype]
     calls[arm.name] = (jax.jit(lambda q, k, v, arm=arm: attention(q, k, v, arm=arm)),
                        (q, k, p_order_vt(v) if arm.dtype == "fp8" else v), arm.dtype)
-  for dt in sorted({a.dtype for a in arms}):
-    calls[f"library_{dt}"] = (jax.jit(library_call(dt)), inputs[dt], dt)
+  for dt in args.library:
+    for wgs in (2, 3):
+      calls[f"library_{dt}_w{wgs}"] = (jax.jit(library_call(dt, wgs)), inputs[dt], dt)
   flops = 4.0 * b * n * t * t * d
   results = {}
   for name, (fn, xs, dt) in calls.items():

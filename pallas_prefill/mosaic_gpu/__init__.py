@@ -121,7 +121,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   if fp8 and not is_fp8(q_ops[0].dtype):
     q_ops, q_scale = prepare.quantized_q(q_ops, q_offsets, num_kv_heads, v.dtype)
     scales = (scales[0] * q_scale, scales[1])
-  rows = L.COMPUTE_WGS * config.block_q
+  rows = config.compute_wgs * config.block_q
   extra = None
   vt_in_kernel = fp8 and vt_made_in_kernel(config, v_depth)
   if vt_in_kernel:  # V as it is: the kernel transposes its tiles
@@ -162,7 +162,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
           capped_bf16 and config.options.soft_cap_fixed_max) else None,
       scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
       p_registers=fp8 and config.options.fp8_p_registers, vt_in_kernel=vt_in_kernel,
-      kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))))
+      kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))), wgs=config.compute_wgs)
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call
@@ -175,7 +175,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       kernel, out_type=out_type, grid=(programs,),
       grid_names=("cta",),
       # A producer warpgroup per K/V stream (``MosaicConfig.split_units``: one each).
-      num_threads=L.COMPUTE_WGS + (L.COMPUTE_WGS if config.split_units else 1),
+      num_threads=config.compute_wgs + (config.compute_wgs if config.split_units else 1),
       thread_name="wg",
       # No cross-warp reductions (a row's scores lie in one warp): no scratch for them.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

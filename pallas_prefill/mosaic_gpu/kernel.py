@@ -108,10 +108,13 @@ def fixed_maximum(soft_cap: float | None) -> float | None:
   return m if soft_cap - m <= FIXED_MAX_CEIL else None
 
 
-# The compute warpgroups' turns on the tensor cores: hardware named barriers TURN_BARRIER
-# (warpgroup 1 signals 0) and TURN_BARRIER + 1 (0 signals 1). Mosaic GPU itself uses
-# barrier 0 and 1 + the warpgroup index.
-TURN_BARRIER = 4
+# The compute warpgroups' turns on the tensor cores (``Turns``): hardware named barrier
+# turn_barrier(wgs) + g for compute warpgroup g, which warpgroup g - 1 (mod wgs) signals.
+# Mosaic GPU itself uses barrier 0 and 1 + the warpgroup index (wgs + 1 warpgroups).
+def turn_barrier(wgs: int) -> int:
+  """The first turn barrier: the first past Mosaic GPU's for ``wgs`` compute warpgroups
+  and the producer (4 for the default two)."""
+  return 2 + wgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,8 @@ class KernelSpec:
   p_registers: FP8's P.V takes P from registers (``primitives.fp8_a_operand``, V^T's keys
   in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; vt_in_kernel:
   FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
-  warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``).
+  warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
+  warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item.
   """
 
   parts: tuple
@@ -171,6 +175,7 @@ class KernelSpec:
   scaled_q: bool = False
   p_registers: bool = False
   vt_in_kernel: bool = False
+  wgs: int = L.COMPUTE_WGS
 
   @property
   def fold_fp8(self) -> bool:
@@ -268,7 +273,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel)
+      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel, wgs=spec.wgs)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -279,8 +284,8 @@ def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
   def roles(scratch: smem.Scratch):
     wg = lax.axis_index("wg")
     units = Units(spec, refs, scratch, wg)
-    pl.when(wg < L.COMPUTE_WGS)(lambda: compute_warpgroup(spec, refs, scratch, units, wg))
-    pl.when(wg >= L.COMPUTE_WGS)(lambda: producer_warpgroup(spec, refs, scratch, units))
+    pl.when(wg < spec.wgs)(lambda: compute_warpgroup(spec, refs, scratch, units, wg))
+    pl.when(wg >= spec.wgs)(lambda: producer_warpgroup(spec, refs, scratch, units))
 
   pl.run_scoped(roles, scratch, collective_axes="wg")
 
@@ -303,14 +308,14 @@ class Units:
 
   def __init__(self, spec: KernelSpec, refs: Refs, scratch: smem.Scratch, wg):
     self.spec, self.refs, self.scratch, self.wg = spec, refs, scratch, wg
-    self.lane = lax.rem(wg, jnp.int32(L.COMPUTE_WGS)) if spec.split else 0
+    self.lane = lax.rem(wg, jnp.int32(spec.wgs)) if spec.split else 0
     n_live = refs.scalars[L.S_LIVE]
     n_keyed, n_keyless = n_live, None
     if spec.keyless_apart:
       n_keyed = refs.scalars[L.S_KEYED]
       n_keyless = n_live - n_keyed
     self.n_units = (num_units(spec.num_heads, n_keyed, n_keyless)
-                    * (L.COMPUTE_WGS if spec.split else 1))
+                    * (spec.wgs if spec.split else 1))
     # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
     self.by_order = functools.partial(
         unit_of, num_heads=spec.num_heads, group=spec.group, n_keyed=n_keyed,
@@ -320,8 +325,8 @@ class Units:
   def claimed(self, u):
     """The (head, item, half) of claimed unit u."""
     if self.spec.split:
-      return (*self.by_order(lax.div(u, jnp.int32(L.COMPUTE_WGS))),
-              lax.rem(u, jnp.int32(L.COMPUTE_WGS)))
+      return (*self.by_order(lax.div(u, jnp.int32(self.spec.wgs))),
+              lax.rem(u, jnp.int32(self.spec.wgs)))
     return (*self.by_order(u), 0)
 
   def item_of(self, hwh):
@@ -353,7 +358,7 @@ class Units:
     pl.when(k >= 2)(lambda: plgpu.barrier_wait(scratch.unit_used.at[s]))
     dealt = dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k)
     if self.spec.split:  # both lanes of a program take the halves of the units it is dealt
-      dealt = dealt * L.COMPUTE_WGS + self.lane
+      dealt = dealt * self.spec.wgs + self.lane
     primitives.claim(scalars, scratch.units, s, jnp.where(scalars[L.S_DEAL] != 0, dealt, -1))
     u = scratch.units[s]
     plgpu.barrier_arrive(scratch.unit_ready.at[s])
@@ -401,33 +406,45 @@ class Units:
 
 
 class Turns:
-  """Tensor-core turns on two hardware named barriers. A warpgroup's P.V waits until the
-  other has issued its Q.K, so that the matrix products alternate between the two and
-  one's softmax overlaps the other's products: after issuing Q.K, ``qk_issued``; then
-  ``pv_turn`` around waiting for V. Each item starts with warpgroup 1 one turn behind
-  (``start``), and ends with the two meeting at warpgroup 1's last turn (``end``:
-  warpgroup 0 must not signal twice before warpgroup 1 has taken the first signal). Split
-  units take no turns: the two warpgroups' units are unrelated."""
+  """Tensor-core turns on hardware named barriers, one per compute warpgroup, in a ring.
+  Warpgroup g's P.V waits until warpgroup g - 1 (mod wgs) has issued its Q.K, so that the
+  matrix products go round the warpgroups and each one's softmax overlaps the others'
+  matrix products: after issuing Q.K, ``qk_issued`` (signals warpgroup g + 1); then
+  ``pv_turn`` around waiting for V. Each item starts with every warpgroup g > 0 one turn
+  behind (``start``: it takes g - 1's first signal before its first Q.K), and ends with
+  each warpgroup g < wgs - 1 meeting g + 1 at the latter's last turn (``end``: g must not
+  signal twice before g + 1 has taken the first signal). Every warpgroup takes a turn per
+  tile of the item, its own or skipped. Split units take no turns: the two warpgroups'
+  units are unrelated."""
 
-  def __init__(self, split: bool, wg):
-    self.split, self.wg = split, wg
+  def __init__(self, spec: KernelSpec, wg):
+    self.split, self.wg, self.wgs = spec.split, wg, spec.wgs
+    self.first = turn_barrier(spec.wgs)
+
+  def barrier(self, g):
+    return self.first + g
+
+  def next_wg(self):
+    # (two warpgroups: 1 - wg, the kernel's instructions as they were before the ring)
+    return 1 - self.wg if self.wgs == 2 else lax.rem(self.wg + 1, jnp.int32(self.wgs))
 
   def qk_issued(self):
     if not self.split:
-      primitives.named_barrier("arrive", TURN_BARRIER + 1 - self.wg)
+      primitives.named_barrier("arrive", self.barrier(self.next_wg()))
 
   def pv_turn(self, wait_v):
     wait_v()
     if not self.split:
-      primitives.named_barrier("sync", TURN_BARRIER + self.wg)
+      primitives.named_barrier("sync", self.barrier(self.wg))
 
   def start(self):
     if not self.split:
-      pl.when(self.wg == 1)(lambda: primitives.named_barrier("sync", TURN_BARRIER + self.wg))
+      pl.when(self.wg > 0)(lambda: primitives.named_barrier("sync", self.barrier(self.wg)))
 
   def end(self):
     if not self.split:
-      pl.when(self.wg == 0)(lambda: primitives.named_barrier("sync", TURN_BARRIER + 1 - self.wg))
+      pl.when(self.wg < self.wgs - 1)(
+          lambda: primitives.named_barrier("sync", self.barrier(self.wg + 1)))
 
 
 # --------------------------------------------------------------------------------------
@@ -471,10 +488,21 @@ def first_q_row(meta, half, block_q):
   return (meta(L.ROW8) + half * (block_q // 8)) * 8
 
 
+def compute_registers(spec: KernelSpec) -> int:
+  """Registers a compute thread gets (``setmaxnreg``; an SM has 65536, which the
+  warpgroups' shares must not exceed): 232 beside a producer's 40; split units, four
+  warpgroups, 224 and 32; three compute warpgroups 160 and 32 (FlashAttention-3's)."""
+  return 224 if spec.split else 160 if spec.wgs == 3 else 232
+
+
+def producer_registers(spec: KernelSpec) -> int:
+  """Registers a producer thread keeps (``compute_registers``)."""
+  return 32 if spec.split or spec.wgs == 3 else 40
+
+
 def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units, wg):
   """A compute warpgroup's role: its units' attention, one after another."""
-  # Split: four warpgroups, 2 x 224 + 2 x 32 registers a thread (65536 an SM).
-  plgpu.set_max_registers(224 if spec.split else 232, action="increase")
+  plgpu.set_max_registers(compute_registers(spec), action="increase")
   q_fill = [fill.at[wg] for fill, _ in scratch.q]
   own = dict(q=[tiled.at[wg] for _, tiled in scratch.q], o=[o.at[wg] for o in scratch.o],
              lse=scratch.lse.at[wg] if spec.has_lse else None,
@@ -514,7 +542,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
       pl.when(item.item_hi > item.item_lo)(wait_q)
     else:
       wait_q()
-    turns = Turns(spec.split, wg)
+    turns = Turns(spec, wg)
     carry = attend_item(spec, refs, scratch, units, turns, item, own["q"], own["p"])
     turns.end()
     # The matrix products are done with this Q: the next item's loads while this one is
@@ -558,7 +586,7 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   if spec.fp8:
     kv_head = lax.div(h, jnp.int32(spec.group))
     # (The rows past the last offset are one more "sequence", keyless: clamped.)
-    seq = jnp.minimum(meta(L.SEQ), refs.qk_scale.shape[0] - 1)
+    seq = jnp.minimum(meta(L.meta_cols(spec.wgs)), refs.qk_scale.shape[0] - 1)
     qk_scale = refs.qk_scale[seq, kv_head] * spec.scale
     if spec.fold_fp8:
       # Folded into the exponent, the factor must be positive, for the row maximum to
@@ -824,7 +852,7 @@ def row_lse(m_i, l_i):
 
 def lse_slot(spec, refs, item: Item, h):
   """Head h's part of the unit's slot in the per-item LSE buffer."""
-  return refs.lse.at[h, pl.ds((item.w * L.COMPUTE_WGS + item.half) * spec.block_q,
+  return refs.lse.at[h, pl.ds((item.w * spec.wgs + item.half) * spec.block_q,
                               spec.block_q)]
 
 
@@ -904,7 +932,7 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
   """The producer's role: each unit's K/V tiles into the slots, claiming the next unit
   before it loads this one's tiles (the compute warpgroups then have it when they finish
   this one)."""
-  plgpu.set_max_registers(32 if spec.split else 40, action="decrease")
+  plgpu.set_max_registers(producer_registers(spec), action="decrease")
   tail8, kv_tail = refs.scalars[L.S_TAIL8], refs.scalars[L.S_KV_TAIL]
 
   def load_item(hw, base, fetch_next):
@@ -915,7 +943,7 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
                                  block_kv=spec.block_kv, unit=spec.kv_unit)
     paged = None
     if spec.page_size is not None:
-      seq = meta(L.SEQ)
+      seq = meta(L.meta_cols(spec.wgs))
       paged = (seq, lax.div(jnp.maximum(meta(L.KV_LEN) - 1, 0), jnp.int32(spec.block_kv)))
     # The sequence's keys: [first, end) rows of K/V, or a paged sequence's positions
     first = 0 if paged else meta(L.KV_START)

@@ -9,7 +9,9 @@ invariant), 8 where they start at multiples of 8 or 16.
 from jax import lax
 
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory limit
-COMPUTE_WGS = 2  # compute warpgroups per program, each with block_q query rows
+# Compute warpgroups per program by default (``MosaicConfig.compute_wgs``: 2 or 3), each
+# with block_q query rows of the program's work item.
+COMPUTE_WGS = 2
 CHUNK = 64  # columns of the Q, K and V buffers (``column_chunks``)
 # Keys per FP8 V^T buffer: a row of 128 bytes, the widest TMA swizzle. A wider KV tile
 # (``MosaicConfig.block_kv`` 256) holds its V^T in ``vt_groups`` buffers per chunk and
@@ -25,9 +27,16 @@ def vt_groups(block_kv: int) -> int:
 # Columns of the per-item table (``work_list.work_list``) the kernel reads.
 (Q_START, Q_LEN, KV_START, KV_LEN, ROW8, KV_ROW, KV_LAST, T_LO, T_HI) = range(9)
 WG_COLS = 9  # then, per warpgroup g: 9 + 4g + (first, first unmasked, unmasked end, end)
-META_COLS = WG_COLS + 4 * COMPUTE_WGS
-# Paged (``page_tiles``) and FP8 only: the item's sequence (its block table row, its scales)
-SEQ = META_COLS
+
+
+def meta_cols(wgs: int = COMPUTE_WGS) -> int:
+  """The table's columns for ``wgs`` compute warpgroups; paged (``page_tiles``) and FP8
+  tables add one, the item's sequence (its block table row, its scales), at this index."""
+  return WG_COLS + 4 * wgs
+
+
+META_COLS = meta_cols()
+SEQ = META_COLS  # (for the default two warpgroups: ``meta_cols(wgs)`` in general)
 # The last tile's row (``KV_LAST`` times ``kv_unit``) of items whose KV tiles are never
 # shifted back (a paged cache's tiles lie inside pages; batch-invariant tiles): larger than
 # any tile's row.

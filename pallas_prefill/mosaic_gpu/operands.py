@@ -298,8 +298,9 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
   batch = q_offsets.shape[0] - 1
-  rows = L.COMPUTE_WGS * config.block_q
-  num_items = num_work_items(total_q, batch, config.block_q)
+  wgs = config.compute_wgs
+  rows = wgs * config.block_q
+  num_items = num_work_items(total_q, batch, config.block_q, wgs)
   if num_heads * num_items * rows >= 2**31:
     raise ValueError(f"{num_heads} heads x {num_items} work items of {rows} rows overflow "
                      "the kernel's int32 unit and LSE indices")
@@ -310,7 +311,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   # (FP8 reads its scales by the item's sequence.)
   kw = dict(mask=mask, block_q=config.block_q, block_kv=config.block_kv,
             paged_cache=paged_cache, page_tiles=page_tiles, top_left=top_left,
-            kv_align=align, seq_column=fp8 is not None)
+            kv_align=align, seq_column=fp8 is not None, wgs=wgs)
   tile_bound = work_items.total_kv_tiles_bound(
       total_kv, None if paged_cache is None else paged_cache[1], config.block_kv)
   options = config.options

@@ -36,7 +36,8 @@ class Scratch:
   (one, or with split units one per compute warpgroup).
 
   Attributes:
-    q: per 64-column chunk of the logit parts, [COMPUTE_WGS, block_q, 64] (untiled, tiled).
+    q: per 64-column chunk of the logit parts, [wgs, block_q, 64] (untiled, tiled), wgs
+      the compute warpgroups (``MosaicConfig.compute_wgs``).
     k: per chunk, [lanes * num_stages, block_kv, 64] (untiled, tiled).
     v: per 64 columns of V, [lanes * num_stages, block_kv, 64] (untiled, tiled); FP8:
       of V transposed, [lanes * num_stages * groups, 64, block_kv / groups] (FP8 matrix
@@ -44,9 +45,9 @@ class Scratch:
       slot s's keys [128 g, 128 (g + 1)) at s * groups + g, ``layout.vt_groups``: a
       256-key tile's rows of 256 bytes are two buffers (a TMA swizzle spans 128 bytes).
     p: FP8 only (else None, and None where P stays in registers): P quantized,
-      [COMPUTE_WGS, block_q, block_kv], P.V's A operand from shared memory.
-    o: ``out_buffers`` output buffers [COMPUTE_WGS, block_q, 64] of the output dtype.
-    lse: [COMPUTE_WGS, block_q] float32, or None without the LSE.
+      [wgs, block_q, block_kv], P.V's A operand from shared memory.
+    o: ``out_buffers`` output buffers [wgs, block_q, 64] of the output dtype.
+    lse: [wgs, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
     q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
       barriers; unit_ready / unit_used: per unit slot, or None.
@@ -79,15 +80,16 @@ class Scratch:
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
             pages: int, paged: bool, one_v_copy: bool = False, p_smem: bool = True,
-            vt_in_kernel: bool = False) -> Scratch:
+            vt_in_kernel: bool = False, wgs: int = L.COMPUTE_WGS) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
   ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
   P goes through shared memory (False: from registers, no buffer); ``vt_in_kernel``: FP8's
-  V^T made from V tiles in the kernel (``Scratch.v_raw``)."""
-  lanes = L.COMPUTE_WGS if split else 1  # K/V streams, each with num_stages slots
-  consumers = 1 if split else L.COMPUTE_WGS  # compute warpgroups reading a stream's tiles
+  V^T made from V tiles in the kernel (``Scratch.v_raw``); ``wgs``: the compute
+  warpgroups (2 with ``split``)."""
+  lanes = wgs if split else 1  # K/V streams, each with num_stages slots
+  consumers = 1 if split else wgs  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
   fp8 = is_fp8(dtype)
 
@@ -119,14 +121,14 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   else:
     v_buffers = [chunk_buffer(v_shape) for _ in range(v_chunks)]
   return Scratch(
-      q=[chunk_buffer((L.COMPUTE_WGS, block_q, L.CHUNK)) for _ in range(chunks)],
+      q=[chunk_buffer((wgs, block_q, L.CHUNK)) for _ in range(chunks)],
       k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
       v=v_buffers,
-      p=tiled((L.COMPUTE_WGS, block_q, block_kv)) if fp8 and p_smem else None,
-      o=[plgpu.SMEM((L.COMPUTE_WGS, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
-      lse=plgpu.SMEM((L.COMPUTE_WGS, block_q), jnp.float32) if has_lse else None,
+      p=tiled((wgs, block_q, block_kv)) if fp8 and p_smem else None,
+      o=[plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
+      lse=plgpu.SMEM((wgs, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
-      q_loaded=barrier(num_arrivals=chunks, num_barriers=L.COMPUTE_WGS),
+      q_loaded=barrier(num_arrivals=chunks, num_barriers=wgs),
       k_loaded=barrier(num_arrivals=pages * chunks, num_barriers=slots),
       # Contiguous V: two copies per chunk (``primitives.load_rows``), batch-invariant
       # tiles one; FP8's V^T one per chunk and buffer (``groups``), paged or not; paged
@@ -187,7 +189,7 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
       p_smem=not config.options.fp8_p_registers,
-      vt_in_kernel=vt_made_in_kernel(config, v_depth)))
+      vt_in_kernel=vt_made_in_kernel(config, v_depth), wgs=config.compute_wgs))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,

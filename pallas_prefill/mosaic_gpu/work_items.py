@@ -51,10 +51,10 @@ def sizes(num_items: int, batch: int) -> tuple[int, int]:
   return _pow2(num_items), _round(batch + 2)
 
 
-def num_columns(seq_column: bool) -> int:
-  """The table's columns: ``layout``'s, plus the item's sequence (``layout.SEQ``: paged
-  tiles and FP8 read it)."""
-  return L.META_COLS + (1 if seq_column else 0)
+def num_columns(seq_column: bool, wgs: int = L.COMPUTE_WGS) -> int:
+  """The table's columns: ``layout``'s for ``wgs`` compute warpgroups, plus the item's
+  sequence (column ``layout.meta_cols(wgs)``: paged tiles and FP8 read it)."""
+  return L.meta_cols(wgs) + (1 if seq_column else 0)
 
 
 def fits(num_items: int, batch: int, kv_tile_bound: int) -> bool:
@@ -186,7 +186,7 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret, kv_align, seq_column, keyless_apart):
+            top_left, interpret, kv_align, seq_column, keyless_apart, wgs):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
@@ -194,8 +194,8 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
   table_ref, scalar_ref = refs
   ops = Ops(interpret)
   n_items, n_seqs = sizes(num_items, batch)
-  rows = L.COMPUTE_WGS * block_q
-  n_cols = num_columns(seq_column)
+  rows = wgs * block_q
+  n_cols = num_columns(seq_column, wgs)
   clip = jnp.clip
 
   def body(seq_bufs, scan_buf, mark, col_bufs, sort_buf):
@@ -247,7 +247,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     row = jnp.where(live, i_q_first + (i - i_first) * rows, 0)
     cols = xla.item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                             block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
-                            top_left=top_left, kv_align=kv_align)
+                            top_left=top_left, kv_align=kv_align, wgs=wgs)
     if seq_column:
       cols.append(jnp.where(live, seq, 0))
     lo, hi = cols[L.T_LO], cols[L.T_HI]
@@ -321,7 +321,8 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
-          top_left=False, interpret=False, kv_align=1, seq_column=False, keyless_apart=False):
+          top_left=False, interpret=False, kv_align=1, seq_column=False, keyless_apart=False,
+          wgs=L.COMPUTE_WGS):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -331,12 +332,12 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   keys, and the items that run with KV tiles (``layout.S_KEYED``); the rest zeros).
   ``keyless_apart``: the unit order is picked for the keyed items' units alone (the
   key-less ones run apart: ``MosaicOptions.keyless_units``). Only where ``fits``;
-  arguments as ``work_list``'s."""
+  arguments as ``work_list``'s (``wgs``: the compute warpgroups)."""
   batch = q_offsets.shape[0] - 1
-  num_items = xla.num_work_items(total_q, batch, block_q)
+  num_items = xla.num_work_items(total_q, batch, block_q, wgs)
   n_items, _ = sizes(num_items, batch)
   seq_column = seq_column or page_tiles  # paged tiles read the block table by it
-  n_cols = num_columns(seq_column)
+  n_cols = num_columns(seq_column, wgs)
   paged_cap = None
   inputs = [q_offsets.astype(jnp.int32)]
   if paged_cache is not None:
@@ -350,7 +351,7 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
       page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
-      kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart)
+      kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart, wgs=wgs)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).

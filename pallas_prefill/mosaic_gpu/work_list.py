@@ -1,9 +1,10 @@
-"""The Mosaic GPU kernel's work list, computed in XLA: one item per pair of query tiles of
-one sequence (``2 * block_q`` rows), heaviest first, plus one pseudo-sequence for the rows
-past ``offsets[-1]`` (written as zeros). Each item's row ranges and KV tile ranges (for the
-whole item, and per compute warpgroup: first, first unmasked, end of unmasked, end) are a
-row of a small int32 table (``layout``'s columns), so that the kernel's three warpgroups
-agree on every trip count, zero included. ``work_items`` builds the same table on the GPU.
+"""The Mosaic GPU kernel's work list, computed in XLA: one item per ``compute_wgs`` query
+tiles of one sequence (``MosaicConfig.compute_wgs * block_q`` rows: a tile per compute
+warpgroup), heaviest first, plus one pseudo-sequence for the rows past ``offsets[-1]``
+(written as zeros). Each item's row ranges and KV tile ranges (for the whole item, and per
+compute warpgroup: first, first unmasked, end of unmasked, end) are a row of a small int32
+table (``layout``'s columns), so that the kernel's warpgroups agree on every trip count,
+zero included. ``work_items`` builds the same table on the GPU.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
-                 page_tiles, top_left=False, kv_align=1):
-  """The per-item table columns up to ``layout.META_COLS`` (a list of int32 arrays, one value
-  per item) from each item's sequence (its query start and length, its K/V start and
+                 page_tiles, top_left=False, kv_align=1, wgs=L.COMPUTE_WGS):
+  """The per-item table columns up to ``layout.meta_cols(wgs)`` (a list of int32 arrays, one
+  value per item; ``wgs`` compute warpgroups of ``block_q`` rows each) from each item's
+  sequence (its query start and length, its K/V start and
   length: zeros for items that run nothing) and first row (absolute, a multiple of 8);
   ``top_left``: queries from position 0 (else kv_len - q_len); ``kv_align``: 1, KV tile i
   starts at the sequence's first key plus i * block_kv and is never shifted back (batch
@@ -58,7 +60,7 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
   start_pos = jnp.zeros_like(i_kv_len) if top_left else i_kv_len - i_q_len
 
   per_wg = []
-  for g in range(L.COMPUTE_WGS):
+  for g in range(wgs):
     r0 = jnp.maximum(row + g * block_q - i_q_start, 0)  # within the sequence
     r1 = jnp.minimum(row + (g + 1) * block_q - i_q_start, i_q_len)
     q_lo, q_hi = start_pos + r0, start_pos + r1 - 1
@@ -70,11 +72,16 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
     u_lo = jnp.clip((f_lo + skew + block_kv - 1) // block_kv, t_lo, t_hi)
     u_hi = jnp.clip((f_hi + skew) // block_kv, u_lo, t_hi)
     per_wg.append((t_lo, u_lo, u_hi, t_hi))
-  (a0, _, _, b0), (a1, _, _, b1) = per_wg
-  empty0, empty1 = a0 == b0, a1 == b1
-  lo = jnp.where(empty0, a1, jnp.where(empty1, a0, jnp.minimum(a0, a1)))
-  hi = jnp.where(empty0, b1, jnp.where(empty1, b0, jnp.maximum(b0, b1)))
-  lo = jnp.where(empty0 & empty1, 0, lo)
+  # The item's tiles: from the first to the last of its warpgroups' with tiles (folded
+  # one warpgroup at a time; all empty: [0, the last warpgroup's end), at least 0).
+  lo, _, _, hi = per_wg[0]
+  none = lo == hi
+  for a, _, _, b in per_wg[1:]:
+    empty = a == b
+    lo = jnp.where(none, a, jnp.where(empty, lo, jnp.minimum(lo, a)))
+    hi = jnp.where(none, b, jnp.where(empty, hi, jnp.maximum(hi, b)))
+    none = none & empty
+  lo = jnp.where(none, 0, lo)
   hi = jnp.maximum(hi, lo)
   cols = [i_q_start, i_q_len, i_kv_start, i_kv_len, row // 8, kv_first // unit,
           kv_last // unit, lo, hi]
@@ -88,10 +95,11 @@ def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q
 
 def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
               paged_cache=None, page_tiles=False, top_left=False, kv_align=1,
-              seq_column=False):
-  """The per-item table [num_items, L.META_COLS] int32 (plus ``layout.SEQ``, the item's
-  sequence, with ``page_tiles`` or ``seq_column``: FP8 reads its scales by it); each
-  output row's column in the per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
+              seq_column=False, wgs=L.COMPUTE_WGS):
+  """The per-item table [num_items, L.meta_cols(wgs)] int32 (plus column
+  ``L.meta_cols(wgs)``, the item's sequence, with ``page_tiles`` or ``seq_column``: FP8
+  reads its scales by it; items of ``wgs * block_q`` rows, ``wgs`` the compute
+  warpgroups); each output row's column in the per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
   number of items that store rows (the kernel runs those: they come first, heaviest
   first, and the rest of the table, whose items store nothing, after them).
 
@@ -115,7 +123,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   keys are positions [0, kv_len) of its own pages, and KV tile i covers positions
   [i * block_kv, (i + 1) * block_kv), never shifted back (it lies inside one page).
   """
-  rows = L.COMPUTE_WGS * block_q
+  rows = wgs * block_q
   batch = q_offsets.shape[0] - 1
   q_start, q_end = q_ranges(q_offsets, total_q)
   if paged_cache is not None:
@@ -137,7 +145,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   q_len, kv_len = q_end - q_start, kv_end - kv_start
   q_first = L.floor8(q_start)
 
-  num_items = num_work_items(total_q, batch, block_q)
+  num_items = num_work_items(total_q, batch, block_q, wgs)
   tiles = jnp.where(q_len > 0, (q_end - q_first + rows - 1) // rows, 0)
   first = jnp.cumsum(tiles) - tiles
   item = jnp.arange(num_items, dtype=jnp.int32)
@@ -152,7 +160,7 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   row = jnp.where(live, q_first[seq] + (item - first[seq]) * rows, 0)  # absolute, % 8 == 0
   cols = item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, mask=mask,
                       block_q=block_q, block_kv=block_kv, page_tiles=page_tiles,
-                      top_left=top_left, kv_align=kv_align)
+                      top_left=top_left, kv_align=kv_align, wgs=wgs)
   lo, hi = cols[L.T_LO], cols[L.T_HI]
   if page_tiles or seq_column:
     cols.append(jnp.where(live, seq, 0))
@@ -174,10 +182,11 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   return table, k * rows + (r - t_row[k]), kv_tail, jnp.sum(stores, dtype=jnp.int32)
 
 
-def num_work_items(total_q, batch, block_q):
-  """A static bound on the work items: every sequence (and the tail) adds at most one
-  item beyond its share of total_q, plus one for the rows its 8-aligned start adds."""
-  return pl.cdiv(total_q + 8 * (batch + 1), L.COMPUTE_WGS * block_q) + batch + 1
+def num_work_items(total_q, batch, block_q, wgs=L.COMPUTE_WGS):
+  """A static bound on the work items (of ``wgs * block_q`` rows): every sequence (and the
+  tail) adds at most one item beyond its share of total_q, plus one for the rows its
+  8-aligned start adds."""
+  return pl.cdiv(total_q + 8 * (batch + 1), wgs * block_q) + batch + 1
 
 
 
