@@ -28,9 +28,9 @@ rounds (``ms_rounds`` lists them): the H200's power state moves a single measure
 told apart.
 ``--mosaic-options`` (``dynamic=False``, ``block_kv=64``, ...: fields of
 ``pallas_prefill.MosaicOptions`` and ``split_units``, ``block_kv``, ``num_stages``,
-``num_programs`` of ``MosaicConfig``, values Python literals) set the config of our Mosaic
-GPU system (``systems.mosaic_config``); without them it passes ``config=None``, as a user's
-call does. ``benchmarks.ab`` runs its arms this way.
+``num_programs``, ``compute_wgs`` of ``MosaicConfig``, values Python literals) set the
+config of our Mosaic GPU system (``systems.mosaic_config``); without them it passes
+``config=None``, as a user's call does. ``benchmarks.ab`` runs its arms this way.
 Writes DIR/results.json ({"meta": {...}, "rows": [...]}), DIR/results.md and, when
 matplotlib is importable, DIR/results.png. A row (``report_row``): kernel, workload,
 system, backend, ms (median per call), tflops (useful), first_call_s (seconds), relerr,
