@@ -223,29 +223,22 @@ EMULATED = [c for c in map(cases.mosaic_variant, cases.CASES + cases.MLA_CASES
 ]
 
 
-@pytest.mark.parametrize("case", EMULATED, ids=lambda c: c.name)
-def test_schedule_matches_reference(case):
+# Each emulated case with the default two compute warpgroups; a third of them and the
+# paged ones with three (``MosaicConfig.compute_wgs=3``: items of three 64-row tiles,
+# each warpgroup's own KV tile range, three warpgroups' LSE slots an item)
+EMULATED_RUNS = [(c, 2) for c in EMULATED] + [(c, 3) for c in EMULATED[::3] + EMULATED[-4:]]
+
+
+@pytest.mark.parametrize("case,wgs", EMULATED_RUNS,
+                         ids=lambda x: x.name if hasattr(x, "name") else f"wgs{x}")
+def test_schedule_matches_reference(case, wgs):
   seed = cases.fresh_seed()
   args, kwargs, last_row = cases.make_inputs(case, seed)
   pad = logits.padded_depth
   qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
   config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
                                             jnp.bfloat16, case.mask, 1)
-  check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
-
-
-@pytest.mark.parametrize("case", EMULATED[::3] + EMULATED[-4:], ids=lambda c: c.name)
-def test_schedule_with_three_compute_wgs_matches_reference(case):
-  """``MosaicConfig.compute_wgs=3``: items of three 64-row tiles, each compute
-  warpgroup's own KV tile range (``layout.WG_COLS``), the LSE slots of three warpgroups
-  an item: every row written once, against the reference."""
-  seed = cases.fresh_seed()
-  args, kwargs, last_row = cases.make_inputs(case, seed)
-  pad = logits.padded_depth
-  qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
-  config = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
-                                            jnp.bfloat16, case.mask, 1)
-  config = dataclasses.replace(config, compute_wgs=3)
+  config = dataclasses.replace(config, compute_wgs=wgs)
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
