@@ -683,6 +683,16 @@ def test_fp8_accuracy_experiment_runs_in_interpret_mode(tmp_path, capsys):
           > 2 * got[("normal", "per_head", "pallas_prefill")]["err_original"])
 
 
+def test_compute_wgs_experiment_lowers_every_arm(capsys):
+  """benchmarks.experiments.compute_wgs's kernel (two or three compute warpgroups, bf16
+  and FP8, the ring of turns or none) lowers for an H200 in every arm, at a small size."""
+  from benchmarks.experiments import compute_wgs  # pylint: disable=g-import-not-at-top
+  compute_wgs.main(["--lower", "--seq", "768"])
+  out = capsys.readouterr().out
+  for arm in compute_wgs.ARMS:
+    assert f"{arm.name}: lowered" in out, arm
+
+
 def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
   """benchmarks.experiments.ncu_summary on an ncu raw page (its own lines first, a units
   row after the header): every kernel's duration, then the longest kernel's wanted

@@ -263,7 +263,7 @@ def bench(fn, args, reps=20, rounds=5):
   return statistics.median(times)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--lower", action="store_true")
   ap.add_argument("--arms", nargs="*", default=None)
@@ -274,7 +274,7 @@ def main():
   ap.add_argument("--library", nargs="*", default=["bf16", "fp8"],
                   help="dtypes of the library's call, with 2 and 3 compute warpgroups")
   ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   sys.path.insert(0, ".")
   arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
   b, t, n, kh, d = args.batch, args.seq, 32, 8, 128

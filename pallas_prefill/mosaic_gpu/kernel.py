@@ -1,12 +1,13 @@
 """The ragged attention kernel in Pallas Mosaic GPU (Hopper, sm_90), in named stages.
 
 The structure is FlashAttention-3's, as in JAX's dense ``ops/gpu/attention_mgpu.py``: per
-program two compute warpgroups (``compute_warpgroup``), each with ``block_q`` query rows,
-and one producer warpgroup (``producer_warpgroup``) that streams K/V tiles through
-``num_stages`` shared-memory slots with TMA. Per KV tile a compute warpgroup runs
-``qk_scores``, ``mask_scores`` (on the tiles the mask cuts), ``online_softmax`` and ``pv``;
-the two take turns on the tensor cores (``Turns``: two hardware named barriers), so that
-one's softmax overlaps the other's matrix products; ``epilogue`` normalizes and stores.
+program two compute warpgroups (``compute_warpgroup``; three with
+``MosaicConfig.compute_wgs``), each with ``block_q`` query rows, and one producer
+warpgroup (``producer_warpgroup``) that streams K/V tiles through ``num_stages``
+shared-memory slots with TMA. Per KV tile a compute warpgroup runs ``qk_scores``,
+``mask_scores`` (on the tiles the mask cuts), ``online_softmax`` and ``pv``; they take
+turns on the tensor cores (``Turns``: a ring of hardware named barriers), so that one's
+softmax overlaps the others' matrix products; ``epilogue`` normalizes and stores.
 The kernel is persistent: one program per SM runs its share of the (head, work item)
 units back to back (``Units``: the static deal, or claims from a global counter, in the
 order ``schedule`` picks), the K/V slots and barrier phases carried from one unit to the
@@ -15,10 +16,11 @@ warpgroup loads its next Q while the last unit is finished and written out.
 
 The ragged parts, which the dense kernel has none of:
 
-- A work list (``work_list``, or ``work_items`` on the GPU): one item per pair of query
-  tiles of one sequence, heaviest first. Each item's row ranges and KV tile ranges are read
-  from a small int32 table (``layout``'s columns), so that the three warpgroups agree on
-  every trip count, zero included. Only the items that store rows run.
+- A work list (``work_list``, or ``work_items`` on the GPU): one item per query tile of
+  each compute warpgroup (two or three) of one sequence, heaviest first. Each item's row
+  ranges and KV tile ranges are read from a small int32 table (``layout``'s columns), so
+  that the warpgroups agree on every trip count, zero included. Only the items that store
+  rows run.
 - TMA into 8-row-tiled shared memory needs row starts that are multiples of 8 and GMEM
   arrays whose row count is one. Q, K and V avoid the second: they live in 64-column
   buffers that TMA fills untiled, from any row of arrays of any row count, read by the

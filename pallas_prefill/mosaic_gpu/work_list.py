@@ -35,10 +35,10 @@ def paged_kv_lengths(q_offsets, total_q, cache_lengths, capacity):
 
 def item_columns(i_q_start, i_q_len, i_kv_start, i_kv_len, row, *, mask, block_q, block_kv,
                  page_tiles, top_left=False, kv_align=1, wgs=L.COMPUTE_WGS):
-  """The per-item table columns up to ``layout.meta_cols(wgs)`` (a list of int32 arrays, one
-  value per item; ``wgs`` compute warpgroups of ``block_q`` rows each) from each item's
-  sequence (its query start and length, its K/V start and
-  length: zeros for items that run nothing) and first row (absolute, a multiple of 8);
+  """The per-item table columns up to ``layout.meta_cols(wgs)`` (a list of int32 arrays,
+  one value per item; ``wgs`` compute warpgroups of ``block_q`` rows each) from each item's
+  sequence (its query start and length, its K/V start and length: zeros for items that
+  run nothing) and first row (absolute, a multiple of 8);
   ``top_left``: queries from position 0 (else kv_len - q_len); ``kv_align``: 1, KV tile i
   starts at the sequence's first key plus i * block_kv and is never shifted back (batch
   invariant: the same keys in the same tiles wherever the sequence sits); 8 or 16, at
@@ -99,9 +99,10 @@ def work_list(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv,
   """The per-item table [num_items, L.meta_cols(wgs)] int32 (plus column
   ``L.meta_cols(wgs)``, the item's sequence, with ``page_tiles`` or ``seq_column``: FP8
   reads its scales by it; items of ``wgs * block_q`` rows, ``wgs`` the compute
-  warpgroups); each output row's column in the per-item LSE buffer; the end of the batch's last key (the largest K/V end); and the
-  number of items that store rows (the kernel runs those: they come first, heaviest
-  first, and the rest of the table, whose items store nothing, after them).
+  warpgroups); each output row's column in the per-item LSE buffer; the end of the
+  batch's last key (the largest K/V end); and the number of items that store rows (the
+  kernel runs those: they come first, heaviest first, and the rest of the table, whose
+  items store nothing, after them).
 
   kv_rows: None (K/V packed like Q, or paged) or (kv_starts, kv_ends) [batch] each:
   sequence b's keys are rows [kv_starts[b], kv_ends[b]) (clamped to the arrays).
