@@ -693,6 +693,38 @@ def test_compute_wgs_experiment_lowers_every_arm(capsys):
     assert f"{arm.name}: lowered" in out, arm
 
 
+def test_ptx_pressure_reads_loops(tmp_path, capsys):
+  """benchmarks.experiments.ptx_pressure on a small PTX loop (an invariant, a 64-bit
+  invariant, a carried value, values defined inside) and a SASS loop."""
+  from benchmarks.experiments import ptx_pressure  # pylint: disable=g-import-not-at-top
+  ptx = "\n".join([
+      "mov.b32 \t%r1, 5;", "mov.b64 \t%rd1, 7;", "mov.b32 \t%r2, 0;", "$L__BB0_1:",
+      "add.s32 \t%r3, %r2, %r1;", "add.s32 \t%r2, %r3, 1;", "add.s64 \t%rd2, %rd1, 1;",
+      "setp.lt.s32 \t%p1, %r2, 10;", "@%p1 bra \t$L__BB0_1;", "ret;"])
+  [loop] = ptx_pressure.ptx_loops(ptx)
+  assert (loop.first, loop.last) == (3, 8)
+  assert sorted(loop.live_in) == [("r", "1"), ("r", "2"), ("rd", "1")]
+  assert (loop.peak, loop.peak_line) == (6, 6)  # r1, r2, rd1 all through, rd2 at its line
+  invariant = dict(ptx_pressure.invariant_live_ins(ptx, loop))
+  assert set(invariant) == {("r", "1"), ("rd", "1")}
+  assert invariant[("rd", "1")].startswith("mov.b64")
+  sass = "\n".join([
+      ".L_x_0:",
+      "        /*0010*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT, gsb0 ;",
+      "        /*0020*/   MUFU.EX2 R13, R56 ;",
+      "        /*0030*/   STL [R1], R2 ;",
+      "        /*0040*/   @P2 BRA `(.L_x_0) ;",
+      "        /*0050*/   EXIT ;"])
+  assert ptx_pressure.sass_loops(sass) == [dict(start=0x10, end=0x40, instructions=4,
+                                                gmma=1, ex2=1, stl=1, ldl=0)]
+  (tmp_path / "k.ptx").write_text(ptx)
+  (tmp_path / "k.sass").write_text(sass)
+  ptx_pressure.main([str(tmp_path / "k.ptx"), "--loop", "0", "--sass",
+                     str(tmp_path / "k.sass")])
+  out = capsys.readouterr().out
+  assert "live-in 4 registers, peak about 6" in out and "%rd1: mov.b64" in out
+
+
 def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
   """benchmarks.experiments.ncu_summary on an ncu raw page (its own lines first, a units
   row after the header): every kernel's duration, then the longest kernel's wanted
