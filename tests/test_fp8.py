@@ -558,7 +558,7 @@ def fp8_kernel_model(spec, inputs, out_type):
   """What the FP8 attention kernel (``spec``: its ``KernelSpec``) computes from its
   operands, in NumPy float64: for each item that runs (``layout.S_LIVE``), its stored
   rows [max(row, Q_START), Q_START + Q_LEN) over the keys [KV_START, KV_START + KV_LEN)
-  of its sequence (``layout.SEQ``), the logits the sum of the parts' Q.K products times
+  of its sequence (``layout.meta_cols(spec.wgs)``), the logits the sum of the parts' Q.K products times
   the softmax scale and the sequence's logit factor, V read from V^T times the
   sequence's V scale (V^T's columns in ``primitives.fp8_p_key``'s order with
   ``spec.p_registers``); the LSE in each row's slot of the per-item buffer. Rows no item
@@ -587,11 +587,11 @@ def fp8_kernel_model(spec, inputs, out_type):
 
   out = np.zeros(out_type[0].shape)
   lse = np.full(out_type[1].shape, np.nan) if spec.has_lse else None
-  rows, scale = layout.COMPUTE_WGS * spec.block_q, spec.scale / LOG2_E
+  rows, scale = spec.wgs * spec.block_q, spec.scale / LOG2_E
   for w in range(int(scalars[layout.S_LIVE])):
     q_start, q_len, kv_start, kv_len, row8, seq = table[w, [
         layout.Q_START, layout.Q_LEN, layout.KV_START, layout.KV_LEN, layout.ROW8,
-        layout.SEQ]]
+        layout.meta_cols(spec.wgs)]]
     seq = min(seq, qk.shape[0] - 1)  # (the rows past the last offset: clamped, keyless)
     r = np.arange(max(row8 * 8, q_start), q_start + q_len)
     r = r[r < row8 * 8 + rows]
@@ -691,6 +691,18 @@ def test_fp8_mosaic_operands_in_either_p_order(case, on, fp8_kernel_modelled):
 def test_fp8_mosaic_operands_with_wide_tiles(case, fp8_kernel_modelled):
   """256-key KV tiles (FP8 only): the work list's tiles and V^T's columns for them."""
   config = dataclasses.replace(fp8_kernel_modelled, block_kv=256)
+  check_fp8_case(case, interpret=False, config=config, q_quantized=True)
+
+
+@pytest.mark.parametrize("case", [Fp8Case(), _MLA, dataclasses.replace(_PAGED, page_size=64),
+                                  dataclasses.replace(_BF16_Q, kv_lens=(5, 1, 300, 100, 264, 50),
+                                                      lse=True, sink=True)],
+                         ids=lambda c: c.name)
+def test_fp8_mosaic_operands_with_three_compute_wgs(case, fp8_kernel_modelled):
+  """Three compute warpgroups (``MosaicConfig.compute_wgs=3``, FP8's default at depth
+  128): items of 192 rows, the sequence column past three warpgroups' ranges, the LSE's
+  slots of three warpgroups an item."""
+  config = dataclasses.replace(fp8_kernel_modelled, compute_wgs=3)
   check_fp8_case(case, interpret=False, config=config, q_quantized=True)
 
 
