@@ -558,8 +558,8 @@ def fp8_kernel_model(spec, inputs, out_type):
   """What the FP8 attention kernel (``spec``: its ``KernelSpec``) computes from its
   operands, in NumPy float64: for each item that runs (``layout.S_LIVE``), its stored
   rows [max(row, Q_START), Q_START + Q_LEN) over the keys [KV_START, KV_START + KV_LEN)
-  of its sequence (``layout.meta_cols(spec.wgs)``), the logits the sum of the parts' Q.K products times
-  the softmax scale and the sequence's logit factor, V read from V^T times the
+  of its sequence (column ``layout.meta_cols(spec.wgs)``), the logits the sum of the
+  parts' Q.K products times the softmax scale and the sequence's logit factor, V read from V^T times the
   sequence's V scale (V^T's columns in ``primitives.fp8_p_key``'s order with
   ``spec.p_registers``); the LSE in each row's slot of the per-item buffer. Rows no item
   stores stay zeros. Pages read in place (``spec.page_size``): K from the pages the block
