@@ -1654,7 +1654,7 @@ def test_native_paged_operands():
     np.testing.assert_array_equal(v_last[b], want)
   live = meta[:int(scalars[0])]
   q_start = live[:, layout.Q_START]
-  np.testing.assert_array_equal(live[:, layout.SEQ],
+  np.testing.assert_array_equal(live[:, layout.meta_cols()],
                                 np.searchsorted(q_off[1:], q_start, side="right"))
   assert (live[:, layout.KV_START] == 0).all()
 

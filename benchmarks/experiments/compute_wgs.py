@@ -42,6 +42,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import pallas_prefill as pp
+from benchmarks import run
+from pallas_prefill.mosaic_gpu import primitives
+
 F8 = jnp.float8_e4m3fn
 TURN = 8  # the ring's first named barrier (Mosaic GPU uses 0 and 1 + the warpgroup)
 P_BIAS = 8.0  # FP8's P is 2**P_BIAS times the probability (at most 256), as the kernel's
@@ -74,11 +78,6 @@ ARMS = [
 ]
 
 
-def named_barrier(op, barrier_id):
-  from pallas_prefill.mosaic_gpu import primitives  # pylint: disable=g-import-not-at-top
-  primitives.named_barrier(op, barrier_id)
-
-
 def bcast(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
@@ -87,7 +86,6 @@ def attention(q, k, v, *, arm: Arm):
   """q [B, T, N, D]; k [B, S, K, D]; v [B, S, K, D] (bf16) or V^T [B, K, D, S] (FP8, its
   keys in ``fp8_a_operand``'s order). Non-causal; T a multiple of 64 * wgs, S of
   block_kv. Returns [B, T, N, D] bfloat16."""
-  from pallas_prefill.mosaic_gpu import primitives  # pylint: disable=g-import-not-at-top
   fp8 = arm.dtype == "fp8"
   batch, t, heads, d = q.shape
   s_len, kv_heads = k.shape[1], k.shape[2]
@@ -115,7 +113,7 @@ def attention(q, k, v, *, arm: Arm):
       acc = plgpu.layout_cast(jnp.zeros((64, d), jnp.float32), layout)
       plgpu.barrier_wait(k_bar.at[0])
       if arm.turns:
-        pl.when(wg > 0)(lambda: named_barrier("sync", TURN + wg))
+        pl.when(wg > 0)(lambda: primitives.named_barrier("sync", TURN + wg))
 
       def body(i, carry):
         acc, m, l = carry
@@ -124,7 +122,7 @@ def attention(q, k, v, *, arm: Arm):
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
           if arm.turns:
-            named_barrier("arrive", TURN + lax.rem(wg + 1, jnp.int32(wgs)))
+            primitives.named_barrier("arrive", TURN + lax.rem(wg + 1, jnp.int32(wgs)))
           return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((64, bkv), jnp.float32))
@@ -138,7 +136,7 @@ def attention(q, k, v, *, arm: Arm):
         acc, l, m_new, a = lax.optimization_barrier((acc, l, m_new, a))
         plgpu.barrier_wait(v_bar.at[slot])
         if arm.turns:
-          named_barrier("sync", TURN + wg)
+          primitives.named_barrier("sync", TURN + wg)
 
         def pv(acc_ref):
           plgpu.wgmma(acc_ref, a, v_smem.at[slot].transpose((1, 0)) if fp8 else
@@ -155,7 +153,7 @@ def attention(q, k, v, *, arm: Arm):
 
       acc, m, l = lax.fori_loop(0, steps, body, (acc, m, l))
       if arm.turns:  # the one signal each later warpgroup's start took
-        pl.when(wg < wgs - 1)(lambda: named_barrier("arrive", TURN + wg + 1))
+        pl.when(wg < wgs - 1)(lambda: primitives.named_barrier("arrive", TURN + wg + 1))
       out = o_smem.at[wg]
       out[...] = (acc / bcast(l, acc.shape)).astype(jnp.bfloat16)
       plgpu.commit_smem()
@@ -214,7 +212,6 @@ def attention(q, k, v, *, arm: Arm):
 
 def p_order_vt(v):
   """V [B, S, K, D] -> V^T [B, K, D, S] with key column c holding key fp8_p_key(c)."""
-  from pallas_prefill.mosaic_gpu import primitives  # pylint: disable=g-import-not-at-top
   keys = primitives.fp8_p_key(np.arange(v.shape[1]))
   return jnp.transpose(v[:, keys], (0, 2, 3, 1))
 
@@ -232,7 +229,6 @@ def reference(q, k, v, heads=4):
 def library_call(dtype, wgs=2, causal=False):
   """The library's Mosaic GPU call on the same arrays (packed), with ``wgs`` compute
   warpgroups (``MosaicConfig.compute_wgs``)."""
-  import pallas_prefill as pp  # pylint: disable=g-import-not-at-top
   config = pp.MosaicConfig(compute_wgs=wgs)
   mask = pp.masks.CausalMask() if causal else pp.masks.NullMask()
 
@@ -249,18 +245,6 @@ def library_call(dtype, wgs=2, causal=False):
     return out.reshape(b, t, n, d)
 
   return fn
-
-
-def bench(fn, args, reps=20, rounds=5):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / reps)
-  return statistics.median(times)
 
 
 def main(argv=None):
@@ -322,7 +306,7 @@ def main(argv=None):
       if "error" in results[name]:
         continue
       time.sleep(args.rest)
-      results[name]["times"].append(bench(fn, xs))
+      results[name]["times"].append(run.bench_jax(fn, [xs]))
   rows = []
   for name, r in results.items():
     if "error" in r:

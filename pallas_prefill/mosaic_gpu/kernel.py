@@ -490,21 +490,18 @@ def first_q_row(meta, half, block_q):
   return (meta(L.ROW8) + half * (block_q // 8)) * 8
 
 
-def compute_registers(spec: KernelSpec) -> int:
-  """Registers a compute thread gets (``setmaxnreg``; an SM has 65536, which the
-  warpgroups' shares must not exceed): 232 beside a producer's 40; split units, four
-  warpgroups, 224 and 32; three compute warpgroups 160 and 32 (FlashAttention-3's)."""
-  return 224 if spec.split else 160 if spec.wgs == 3 else 232
-
-
-def producer_registers(spec: KernelSpec) -> int:
-  """Registers a producer thread keeps (``compute_registers``)."""
-  return 32 if spec.split or spec.wgs == 3 else 40
+def registers(spec: KernelSpec) -> tuple[int, int]:
+  """(compute, producer) registers a thread (``setmaxnreg``; an SM has 65536, which the
+  warpgroups' shares must not exceed): 232 and 40; split units, four warpgroups, 224 and
+  32; three compute warpgroups 160 and 32 (FlashAttention-3's)."""
+  if spec.split:
+    return 224, 32
+  return (160, 32) if spec.wgs == 3 else (232, 40)
 
 
 def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units: Units, wg):
   """A compute warpgroup's role: its units' attention, one after another."""
-  plgpu.set_max_registers(compute_registers(spec), action="increase")
+  plgpu.set_max_registers(registers(spec)[0], action="increase")
   q_fill = [fill.at[wg] for fill, _ in scratch.q]
   own = dict(q=[tiled.at[wg] for _, tiled in scratch.q], o=[o.at[wg] for o in scratch.o],
              lse=scratch.lse.at[wg] if spec.has_lse else None,
@@ -934,7 +931,7 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
   """The producer's role: each unit's K/V tiles into the slots, claiming the next unit
   before it loads this one's tiles (the compute warpgroups then have it when they finish
   this one)."""
-  plgpu.set_max_registers(producer_registers(spec), action="decrease")
+  plgpu.set_max_registers(registers(spec)[1], action="decrease")
   tail8, kv_tail = refs.scalars[L.S_TAIL8], refs.scalars[L.S_KV_TAIL]
 
   def load_item(hw, base, fetch_next):

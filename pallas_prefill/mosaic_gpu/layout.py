@@ -34,9 +34,6 @@ def meta_cols(wgs: int = COMPUTE_WGS) -> int:
   tables add one, the item's sequence (its block table row, its scales), at this index."""
   return WG_COLS + 4 * wgs
 
-
-META_COLS = meta_cols()
-SEQ = META_COLS  # (for the default two warpgroups: ``meta_cols(wgs)`` in general)
 # The last tile's row (``KV_LAST`` times ``kv_unit``) of items whose KV tiles are never
 # shifted back (a paged cache's tiles lie inside pages; batch-invariant tiles): larger than
 # any tile's row.

@@ -268,11 +268,11 @@ def fp8_operands(v, q_offsets, kv_rows, scales, *, block_kv, vt_kernel=True,
   multiple of 16 (TMA's row stride) and at least a tile, its columns that are no
   sequence's keys zeroed (padding and rows past the batch's last key may hold anything,
   NaN included, and 0 * NaN is NaN); and the scales ([batch, num_kv_heads] float32 each:
-  the logits' factor and V's), which the kernel reads by the item's sequence
-  (``layout.SEQ``). An FP8 matrix product reads its B operand K-major (the keys along a
-  row): with ``vt_kernel`` (``MosaicOptions.fp8_vt_kernel``) and a depth that is a power of
-  two, ``transposed_v``'s kernel (rows a multiple of ``VT_KEYS``), else one XLA
-  transpose. ``p_order``: V^T's keys in ``primitives.fp8_p_key``'s order within each 16
+  the logits' factor and V's), which the kernel reads by the item's sequence (the
+  table's column ``layout.meta_cols(wgs)``). An FP8 matrix product reads its B operand
+  K-major (the keys along a row): with ``vt_kernel`` (``MosaicOptions.fp8_vt_kernel``) and
+  a depth that is a power of two, ``transposed_v``'s kernel (rows a multiple of
+  ``VT_KEYS``), else one XLA transpose. ``p_order``: V^T's keys in ``primitives.fp8_p_key``'s order within each 16
   (P from registers, ``MosaicOptions.fp8_p_registers``)."""
   total_kv, _, depth = v.shape
   if vt_kernel and depth & (depth - 1) == 0:
