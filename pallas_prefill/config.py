@@ -143,6 +143,13 @@ class MosaicOptions:
       0.83x (MHA chunked8x512_page64), 0.87x (MLA equal4x4096) and 0.99x (MLA
       chunked8x512_page64) the V^T pass's call (BUILD_NOTES.md, twenty-seventh session:
       the transpose's instructions share the compute warpgroups' issue slots).
+    row_sum_first: bf16/float16 P's row sums taken before its conversion to the input
+      dtype (each float32 of P then dies as it is converted), not after: fewer live
+      registers where P meets the accumulators, for three compute warpgroups' 160.
+    q_per_tile: the Q buffers' matrix-product descriptors made again in each KV tile
+      (through an index LLVM cannot see, ``primitives.opaque``) instead of hoisted out
+      of the KV loop into 16 registers held across it: a few instructions a tile for
+      fewer live registers, for three compute warpgroups' 160.
   """
 
   dynamic: bool = True
@@ -161,12 +168,14 @@ class MosaicOptions:
   fp8_p_registers: bool = True
   fp8_native_pages: bool = True
   fp8_vt_in_kernel: bool = False
+  row_sum_first: bool = False
+  q_per_tile: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
-                 "fp8_vt_in_kernel"):
+                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

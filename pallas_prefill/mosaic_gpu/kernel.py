@@ -144,7 +144,8 @@ class KernelSpec:
   in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; vt_in_kernel:
   FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
   warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
-  warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item.
+  warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
+  row_sum_first, q_per_tile: ``MosaicOptions``' (registers for three warpgroups).
   """
 
   parts: tuple
@@ -178,6 +179,8 @@ class KernelSpec:
   p_registers: bool = False
   vt_in_kernel: bool = False
   wgs: int = L.COMPUTE_WGS
+  row_sum_first: bool = False
+  q_per_tile: bool = False
 
   @property
   def fold_fp8(self) -> bool:
@@ -528,6 +531,16 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     else:
       copies()
 
+  def q_tiles():
+    """This warpgroup's Q buffers, for a KV tile's Q.K. With ``KernelSpec.q_per_tile``
+    through an index LLVM cannot see through (the warpgroup's, ``primitives.opaque``), so
+    that the matrix products' Q descriptors are made again in each tile instead of held
+    in 16 registers across the KV loop."""
+    if not spec.q_per_tile:
+      return own["q"]
+    wg_now = primitives.opaque(wg)
+    return [tiled.at[wg_now] for _, tiled in scratch.q]
+
   def run(hw, base, fetch_next):
     item = read_item(spec, refs, units, hw, base)
     def wait_q():
@@ -542,7 +555,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     else:
       wait_q()
     turns = Turns(spec, wg)
-    carry = attend_item(spec, refs, scratch, units, turns, item, own["q"], own["p"])
+    carry = attend_item(spec, refs, scratch, units, turns, item, q_tiles, own["p"])
     turns.end()
     # The matrix products are done with this Q: the next item's loads while this one is
     # written out.
@@ -600,7 +613,7 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
               all_heads=hw[0] == ALL_HEADS, **scales)
 
 
-def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem, p_smem):
+def attend_item(spec, refs, scratch, units, turns, item: Item, q_tiles, p_smem):
   """The KV loop of one unit: skipped tiles (the item's, outside this warpgroup's range),
   masked tiles, unmasked ones, masked ones, skipped ones. Returns (acc, m, l); FP8: m is
   the running maximum less P_BIAS, l carries 2**P_BIAS."""
@@ -619,7 +632,7 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_smem, p_smem):
     return carry
 
   def step(i, carry, *, masked):
-    return attend_tile(spec, scratch, turns, item, q_smem, p_smem, i, slot, carry,
+    return attend_tile(spec, scratch, turns, item, q_tiles(), p_smem, i, slot, carry,
                        masked=masked)
 
   masked_step = functools.partial(step, masked=True)
@@ -669,11 +682,11 @@ def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry
   s, fold = scaled_scores(spec, item, s)
   if masked:
     s = mask_scores(spec, item, i, s)
-  acc, l_i, m_new, p, p16 = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
+  acc, l_i, m_new, p = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
   if spec.fp8:
     acc, l_i, m_new = pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem)
   else:
-    acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16)
+    acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p)
   return acc, m_new, l_i
 
 
@@ -741,7 +754,7 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   None, the scores' last factor ``scaled_scores`` left, folded into the exponent: one
   FFMA per score); the accumulators and the running sum rescaled to the new maximum
   (with ``KernelSpec.fixed_max``, soft-capped scores, the maximum stays m_i: no rescale).
-  Returns (acc, l, m_new, p, p in the input dtype). FP8 (its fold the item's traced
+  Returns (acc, l, m_new, p) (p float32). FP8 (its fold the item's traced
   factor): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value (at
   most 256). With ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
   (``primitives.exp2_fma``)."""
@@ -760,7 +773,7 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
     # Soft-capped scores: the maximum is fixed (``fixed_maximum``), so no row maximum,
     # no rescale of the accumulators and the running sum.
     p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_i, s.shape, [0]), **poly)
-    return acc, l_i, m_i, p, p.astype(spec.dtype)
+    return acc, l_i, m_i, p
   elif fold is not None:
     m_new = jnp.maximum(m_i, s.max(axis=1) * fold)
     p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
@@ -770,7 +783,7 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   alpha = jnp.exp2(m_i - m_new)
   acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
   l_i = l_i * alpha
-  return acc, l_i, m_new, p, p.astype(spec.dtype)  # the matrix products' input dtype
+  return acc, l_i, m_new, p
 
 
 def pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
@@ -809,16 +822,25 @@ def pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
   return acc, l_i, m_new
 
 
-def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p16):
-  """acc += P.V of KV tile i, one product per 64 columns of V, in this warpgroup's turn;
-  releases its V slot. The row sums join the running sum before the turn up to V depth 128
-  (kept there by an optimization barrier, which the new maximum passes through too), after
-  it beyond (register pressure). Returns (acc, l, m_new)."""
-  if spec.v_depth <= 128:
+def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p):
+  """acc += P.V of KV tile i (P float32, converted to the input dtype here), one product
+  per 64 columns of V, in this warpgroup's turn; releases its V slot. The row sums join
+  the running sum before the turn up to V depth 128 (kept there by an optimization
+  barrier, which the new maximum passes through too), after it beyond (register
+  pressure); with ``KernelSpec.row_sum_first`` before P's conversion, so that each
+  float32 of P dies as it is converted. Returns (acc, l, m_new)."""
+  if spec.v_depth <= 128 and spec.row_sum_first:
+    l_i = l_i + p.sum(axis=1)
+    p16 = p.astype(spec.dtype)
+    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+    turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
+  elif spec.v_depth <= 128:
+    p16 = p.astype(spec.dtype)
     l_i = l_i + p.sum(axis=1)
     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
     turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
   else:
+    p16 = p.astype(spec.dtype)
     turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
     l_i = l_i + p.sum(axis=1)
 

@@ -31,6 +31,24 @@ def named_barrier(op: str, barrier_id, threads: int = 2 * 128):
   bar(jnp.asarray(barrier_id, jnp.int32))
 
 
+def opaque(x):
+  """x (an int32 scalar) through an empty inline PTX statement with side effects, which
+  LLVM can neither see through nor move: a value derived from it in a loop's body is
+  computed there, not hoisted out of the loop and held in registers across it
+  (``kernel``'s Q descriptors with ``KernelSpec.q_per_tile``)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
+                                                        layout=plgpu.Layout.WG_SPLAT))
+  def same(_, v):
+    i32 = ir.IntegerType.get_signless(32)
+    out = llvm.inline_asm(i32, [v.registers[()]], "mov.b32 $0, $1;", "=r,r",
+                          has_side_effects=True)
+    return mgpu.FragmentedArray.splat(out, (), is_signed=True)
+
+  return same(jnp.asarray(x, jnp.int32))
+
+
 # exp2 on the FMA pipes (FlashAttention-4's trick, for Hopper's 16 MUFU operations per
 # clock and SM): 2**x = 2**j * 2**f with j = round(x) by the 1.5 * 2**23 addition (FADD,
 # not the conversion unit), f = x - j in [-0.5, 0.5], 2**f = 1 + f (c1 + f (c2 + f c3))
