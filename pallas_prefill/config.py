@@ -150,6 +150,10 @@ class MosaicOptions:
       (through an index LLVM cannot see, ``primitives.opaque``) instead of hoisted out
       of the KV loop into 16 registers held across it: a few instructions a tile for
       fewer live registers, for three compute warpgroups' 160.
+    column_mask: a masked KV tile's scores hidden by each row's run of visible columns
+      (``masks``' ``key_range``; ``primitives.mask_columns``: each score compared with
+      an immediate) instead of the mask's test on position iotas, whose column indices
+      LLVM hoists out of the KV loop (31 registers held across it).
   """
 
   dynamic: bool = True
@@ -170,12 +174,13 @@ class MosaicOptions:
   fp8_vt_in_kernel: bool = False
   row_sum_first: bool = False
   q_per_tile: bool = False
+  column_mask: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
-                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile"):
+                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

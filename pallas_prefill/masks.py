@@ -6,10 +6,14 @@ query i of a sequence with ``q_len`` queries over ``kv_len`` keys sits at positi
 cross-attention with fewer keys than queries makes it negative). The causal masks are thus
 aligned at the bottom right.
 
-Every mask answers three questions, each with plain ``jnp`` integer arithmetic so that the
+Every mask answers four questions, each with plain ``jnp`` integer arithmetic so that the
 same code runs inside the Pallas kernel, in interpret mode and in the reference:
 
 - ``visible(q_pos, k_pos)``: elementwise, whether the key is visible to the query.
+- ``key_range(q_pos)``: elementwise, the half-open range ``[lo, hi)`` of the keys (at
+  positions >= 0) a query at ``q_pos`` sees: every mask shows a query one run of keys
+  (the Mosaic GPU kernel masks a tile's scores by their column against the row's range).
+  A bound that does not depend on the query is an int32 scalar (it broadcasts).
 - ``kv_range(q_lo, q_hi, kv_len)``: the half-open key range ``[lo, hi)`` outside which no
   query with a position in ``[q_lo, q_hi]`` sees any key. The kernel skips the KV tiles
   outside it.
@@ -25,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+
+# NullMask.key_range's end: past every key (positions stay below 2**30).
+KEY_RANGE_END = 2**31 - 1
 
 # A window or chunk bound: positions are int32 and can be negative (cross-attention), so
 # q_pos - window must not wrap; no sequence comes near 2**30 tokens.
@@ -52,6 +59,10 @@ class NullMask:
   def visible(self, q_pos, k_pos):
     return jnp.full(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), True)
 
+  def key_range(self, q_pos):
+    del q_pos
+    return jnp.int32(0), jnp.int32(KEY_RANGE_END)
+
   def kv_range(self, q_lo, q_hi, kv_len):
     del q_lo, q_hi
     return jnp.zeros_like(kv_len), kv_len
@@ -66,6 +77,9 @@ class CausalMask:
 
   def visible(self, q_pos, k_pos):
     return k_pos <= q_pos
+
+  def key_range(self, q_pos):
+    return jnp.int32(0), q_pos + 1
 
   def kv_range(self, q_lo, q_hi, kv_len):
     del q_lo
@@ -87,6 +101,9 @@ class SlidingWindowCausalMask:
 
   def visible(self, q_pos, k_pos):
     return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+
+  def key_range(self, q_pos):
+    return q_pos - self.window + 1, q_pos + 1
 
   def kv_range(self, q_lo, q_hi, kv_len):
     return _clip(q_lo - self.window + 1, kv_len), _clip(q_hi + 1, kv_len)
@@ -115,6 +132,9 @@ class ChunkedCausalMask:
   def visible(self, q_pos, k_pos):
     same_chunk = jnp.floor_divide(q_pos, self.chunk) == jnp.floor_divide(k_pos, self.chunk)
     return (k_pos <= q_pos) & same_chunk
+
+  def key_range(self, q_pos):
+    return self._chunk_start(q_pos), q_pos + 1
 
   def kv_range(self, q_lo, q_hi, kv_len):
     return _clip(self._chunk_start(q_lo), kv_len), _clip(q_hi + 1, kv_len)

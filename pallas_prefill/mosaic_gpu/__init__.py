@@ -163,7 +163,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
       p_registers=fp8 and config.options.fp8_p_registers, vt_in_kernel=vt_in_kernel,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))), wgs=config.compute_wgs,
-      row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile)
+      row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile,
+      column_mask=config.options.column_mask)
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call

@@ -70,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -145,7 +146,8 @@ class KernelSpec:
   FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
   warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
-  row_sum_first, q_per_tile: ``MosaicOptions``' (registers for three warpgroups).
+  row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
+  warpgroups).
   """
 
   parts: tuple
@@ -181,6 +183,7 @@ class KernelSpec:
   wgs: int = L.COMPUTE_WGS
   row_sum_first: bool = False
   q_per_tile: bool = False
+  column_mask: bool = False
 
   @property
   def fold_fp8(self) -> bool:
@@ -266,6 +269,15 @@ def visible_keys(mask, q_pos, k_pos, i, kv_row, kv_start, kv_len, *, block_kv, u
   sequence)."""
   fresh = jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
+
+
+def visible_columns(mask, q_pos, k0, i, kv_row, kv_start, kv_len, *, block_kv, unit):
+  """``visible_keys`` as a run of columns [lo, hi) of KV tile i for each query (the
+  tile's first key at position k0; ``masks``' ``key_range``): column c is visible iff
+  lo <= c < hi, for the columns of keys at positions >= 0."""
+  fresh = jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
+  lo, hi = mask.key_range(q_pos)
+  return jnp.maximum(lo, fresh) - k0, jnp.minimum(hi, kv_len) - k0
 
 
 def scratch_for(spec: KernelSpec) -> smem.Scratch:
@@ -738,14 +750,25 @@ def qk_scores(spec, scratch, turns, q_smem, i, slot):
 
 def mask_scores(spec, item: Item, i, s):
   """-inf where the mask hides a (query, key) pair of tile i, or the key is not the
-  sequence's or an earlier tile had it (``visible_keys``)."""
+  sequence's or an earlier tile had it (``visible_keys``); with
+  ``KernelSpec.column_mask`` by each row's run of visible columns (``visible_columns``,
+  ``primitives.mask_columns``)."""
+  unit = dict(block_kv=spec.block_kv, unit=spec.kv_unit)
+  k0 = tile_first_row(item.kv_row, item.kv_last, i, **unit) - item.kv_start
+  if spec.column_mask:
+    rows = jax.ShapeDtypeStruct((spec.block_q,), jnp.int32)
+    if all(b.shape == () for b in jax.eval_shape(spec.mask.key_range, rows)):
+      q_pos = item.row_pos  # (no row iota that nothing reads: layout inference fails)
+    else:
+      q_pos = item.row_pos + plgpu.broadcasted_iota(
+          jnp.int32, (spec.block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+    lo, hi = visible_columns(spec.mask, q_pos, k0, i, item.kv_row, item.kv_start,
+                             item.kv_len, **unit)
+    return primitives.mask_columns(s, lo, hi)
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (spec.block_q, spec.block_kv),
                            layout=plgpu.Layout.WGMMA)
-  q_pos = item.row_pos + iota(0)
-  unit = dict(block_kv=spec.block_kv, unit=spec.kv_unit)
-  k_pos = tile_first_row(item.kv_row, item.kv_last, i, **unit) - item.kv_start + iota(1)
-  visible = visible_keys(spec.mask, q_pos, k_pos, i, item.kv_row, item.kv_start,
-                         item.kv_len, **unit)
+  visible = visible_keys(spec.mask, item.row_pos + iota(0), k0 + iota(1), i, item.kv_row,
+                         item.kv_start, item.kv_len, **unit)
   return jnp.where(visible, s, -jnp.inf)
 
 

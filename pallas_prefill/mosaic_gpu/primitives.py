@@ -49,6 +49,62 @@ def opaque(x):
   return same(jnp.asarray(x, jnp.int32))
 
 
+def mask_columns(s, lo, hi):
+  """s [64, cols] float32 in the WGMMA layout, -inf outside each row's columns [lo, hi)
+  (lo, hi: int32, [64] in its row layout, ``Layout.WGMMA.reduce(1)``, or a scalar, the
+  same for every row), as ``jnp.where((lo <= c) & (c < hi), s, -inf)`` with c the column
+  iota computes. The thread's first column is subtracted from its two rows' bounds once,
+  so that each score is compared with its constant column offset (an immediate): no
+  column index is held in a register, where LLVM hoists an iota's (one register per two
+  columns, 64 for 128 columns, held across the KV loop)."""
+  rows, cols = s.shape
+  assert rows == 64 and cols % 8 == 0, s.shape
+  layout = plgpu.Layout.WGMMA
+  # A row-independent bound goes as a scalar: two bounds that are both splats do not
+  # pass Mosaic GPU's layout inference as the row layout (jax 0.12).
+  lo, hi = (jnp.asarray(x, jnp.int32) for x in (lo, hi))
+  kinds = tuple(plgpu.Layout.WG_SPLAT if x.ndim == 0 else layout.reduce(1) for x in (lo, hi))
+  lo, hi = (x if x.ndim == 0 else plgpu.layout_cast(x, k) for x, k in zip((lo, hi), kinds))
+
+  @plgpu.inline_mgpu(arg_types=(layout, *kinds),
+                     return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32, layout=layout))
+  def masked(_, s, lo, hi):
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    # WGMMA_LAYOUT: register (0, j, 0, 0, h, 0, 0, 0, 0), a vector of 2, holds rows
+    # r + 8h and columns c + 8j, c + 8j + 1 of the thread's (r, c): register 0's.
+    assert s.layout == mgpu.WGMMA_LAYOUT and s.registers.shape == (
+        1, cols // 8, 1, 1, 2, 1, 1, 1, 1), (s.layout, s.registers.shape)
+    _, col0 = next(iter(mgpu.WGMMA_LAYOUT.thread_idxs(s.shape)))
+    col0 = arith.index_cast(i32, col0)
+
+    def bounds(x):
+      if not x.registers.shape:
+        return [arith.subi(x.registers[()], col0)] * 2
+      assert x.registers.shape == (1, 1, 2, 1, 1), x.registers.shape
+      regs = [x.registers[0, 0, h, 0, 0] for h in range(2)]
+      regs = [vector.extract(r, dynamic_position=[], static_position=[0])
+              if isinstance(r.type, ir.VectorType) else r for r in regs]
+      return [arith.subi(r, col0) for r in regs]
+
+    lo_h, hi_h = bounds(lo), bounds(hi)
+    hidden = arith.constant(f32, float("-inf"))
+    out = np.empty(s.registers.shape, dtype=object)
+    for idx in np.ndindex(s.registers.shape):
+      j, h = idx[1], idx[4]
+      reg = s.registers[idx]
+      for e in range(2):
+        k = arith.constant(i32, 8 * j + e)
+        seen = arith.andi(arith.cmpi(arith.CmpIPredicate.sle, lo_h[h], k),
+                          arith.cmpi(arith.CmpIPredicate.sgt, hi_h[h], k))
+        x = vector.extract(reg, dynamic_position=[], static_position=[e])
+        reg = vector.insert(arith.select(seen, x, hidden), reg, dynamic_position=[],
+                            static_position=[e])
+      out[idx] = reg
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return masked(s, lo, hi)
+
+
 # exp2 on the FMA pipes (FlashAttention-4's trick, for Hopper's 16 MUFU operations per
 # clock and SM): 2**x = 2**j * 2**f with j = round(x) by the 1.5 * 2**23 addition (FADD,
 # not the conversion unit), f = x - j in [-0.5, 0.5], 2**f = 1 + f (c1 + f (c2 + f c3))
