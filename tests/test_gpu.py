@@ -444,14 +444,12 @@ THREE_WGS_CASES = [(c, None) for c in _FITS_THREE[::2]] + [
     for programs in (None, 3)]
 
 
-@pytest.mark.parametrize("case,programs", THREE_WGS_CASES,
-                         ids=lambda x: x.name if hasattr(x, "name") else str(x))
-def test_mosaic_three_compute_wgs(case, programs):
-  """Cases on three compute warpgroups, with 128-row K/V tiles, or 64-row ones where
-  those do not fit shared memory (MLA)."""
+def check_on_three_wgs(case, **fields):
+  """``cases.check_case`` on three compute warpgroups (and the MosaicConfig ``fields``),
+  with 128-row K/V tiles, or 64-row ones where those do not fit shared memory (MLA)."""
   for tiles in (dict(), dict(block_kv=64), dict(block_kv=64, num_stages=2)):
     config = dataclasses.replace(case.config or pp.MosaicConfig(), compute_wgs=3,
-                                 num_programs=programs, **tiles)
+                                 **fields, **tiles)
     try:
       cases.check_case(dataclasses.replace(case, config=config), interpret=False,
                        poison=poison_device_memory, backend="mosaic_gpu")
@@ -460,6 +458,34 @@ def test_mosaic_three_compute_wgs(case, programs):
       if "shared memory" not in str(e):
         raise
   pytest.fail(f"no K/V tiles fit three compute warpgroups for {case.name}")
+
+
+@pytest.mark.parametrize("case,programs", THREE_WGS_CASES,
+                         ids=lambda x: x.name if hasattr(x, "name") else str(x))
+def test_mosaic_three_compute_wgs(case, programs):
+  check_on_three_wgs(case, num_programs=programs)
+
+
+# MosaicOptions' register options (row_sum_first, q_per_tile, column_mask: a masked tile's
+# scores hidden by its rows' key ranges) with the case's own options, on every case of the
+# matrix the Mosaic GPU backend serves with two compute warpgroups, and on every other one
+# that fits three
+REGISTER_OPTION_CASES = ([(c, 2) for c in MOSAIC_CASES if cases.mosaic_serves(c)]
+                         + [(c, 3) for c in _FITS_THREE[1::2]])
+
+
+@pytest.mark.parametrize("case,wgs", REGISTER_OPTION_CASES,
+                         ids=lambda x: x.name if hasattr(x, "name") else f"w{x}")
+def test_mosaic_register_options(case, wgs):
+  config = case.config or pp.MosaicConfig()
+  options = dataclasses.replace(config.options, row_sum_first=True, q_per_tile=True,
+                                column_mask=True)
+  if wgs == 3:
+    check_on_three_wgs(case, options=options)
+  else:
+    case = dataclasses.replace(case, config=dataclasses.replace(config, options=options))
+    cases.check_case(case, interpret=False, poison=poison_device_memory,
+                     backend="mosaic_gpu")
 
 
 def _poly(case, eighths):
