@@ -444,12 +444,12 @@ THREE_WGS_CASES = [(c, None) for c in _FITS_THREE[::2]] + [
     for programs in (None, 3)]
 
 
-def check_on_three_wgs(case, **fields):
-  """``cases.check_case`` on three compute warpgroups (and the MosaicConfig ``fields``),
-  with 128-row K/V tiles, or 64-row ones where those do not fit shared memory (MLA)."""
+def check_fitting_tiles(case, **fields):
+  """``cases.check_case`` with the MosaicConfig ``fields`` (on three compute warpgroups,
+  say) and 128-row K/V tiles, or 64-row ones where those do not fit shared memory (MLA,
+  depth 256)."""
   for tiles in (dict(), dict(block_kv=64), dict(block_kv=64, num_stages=2)):
-    config = dataclasses.replace(case.config or pp.MosaicConfig(), compute_wgs=3,
-                                 **fields, **tiles)
+    config = dataclasses.replace(case.config or pp.MosaicConfig(), **fields, **tiles)
     try:
       cases.check_case(dataclasses.replace(case, config=config), interpret=False,
                        poison=poison_device_memory, backend="mosaic_gpu")
@@ -457,13 +457,13 @@ def check_on_three_wgs(case, **fields):
     except NotImplementedError as e:
       if "shared memory" not in str(e):
         raise
-  pytest.fail(f"no K/V tiles fit three compute warpgroups for {case.name}")
+  pytest.fail(f"no K/V tiles fit {fields} for {case.name}")
 
 
 @pytest.mark.parametrize("case,programs", THREE_WGS_CASES,
                          ids=lambda x: x.name if hasattr(x, "name") else str(x))
 def test_mosaic_three_compute_wgs(case, programs):
-  check_on_three_wgs(case, num_programs=programs)
+  check_fitting_tiles(case, compute_wgs=3, num_programs=programs)
 
 
 # MosaicOptions' register options (row_sum_first, q_per_tile, column_mask: a masked tile's
@@ -480,12 +480,7 @@ def test_mosaic_register_options(case, wgs):
   config = case.config or pp.MosaicConfig()
   options = dataclasses.replace(config.options, row_sum_first=True, q_per_tile=True,
                                 column_mask=True)
-  if wgs == 3:
-    check_on_three_wgs(case, options=options)
-  else:
-    case = dataclasses.replace(case, config=dataclasses.replace(config, options=options))
-    cases.check_case(case, interpret=False, poison=poison_device_memory,
-                     backend="mosaic_gpu")
+  check_fitting_tiles(case, compute_wgs=wgs, options=options)
 
 
 def _poly(case, eighths):
