@@ -33,3 +33,15 @@ def test_tile_ranges_agree_with_visible(mask):
       if full_hi > full_lo:
         assert 0 <= full_lo and full_hi <= kv_len, where
         assert vis[:, full_lo:full_hi].all(), f"full_range holds hidden keys: {where}"
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_key_range_agrees_with_visible(mask):
+  """Every mask shows a query (at any position, negative ones of cross-attention too) one
+  run of the keys at positions >= 0: key_range's [lo, hi)."""
+  queries, keys = np.arange(-9, 30), np.arange(0, 40)
+  lo, hi = (np.broadcast_to(np.asarray(x), queries.shape)[:, None]
+            for x in mask.key_range(queries.astype(np.int32)))
+  vis = np.asarray(mask.visible(queries[:, None], keys[None, :]))
+  vis = np.broadcast_to(vis, (len(queries), len(keys)))
+  np.testing.assert_array_equal((lo <= keys) & (keys < hi), vis, err_msg=repr(mask))

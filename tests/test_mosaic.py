@@ -183,6 +183,13 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
                                                     kv_len, **unit))
         if u_lo <= i < u_hi:
           assert vis[stored].all(), f"an unmasked tile hides keys: item {t} tile {i}"
+        # MosaicOptions.column_mask's test: each row's run of visible columns
+        lo, hi = (np.asarray(x)[..., None] for x in mosaic_kernel.visible_columns(
+            mask, q_pos[:, 0], start - kv_start, i, kv_row, kv_start, kv_len, **unit))
+        columns = np.arange(bkv)[None, :]
+        np.testing.assert_array_equal(np.broadcast_to((lo <= columns) & (columns < hi),
+                                                      vis.shape), vis,
+                                      err_msg=f"visible_columns: item {t} tile {i}")
         vt = _v_tile_as_loaded(tile(v, kvh), native is not None, align, i, start, kv_len,
                                kv_end)
         s = np.where(vis, s, -np.inf)
@@ -885,7 +892,9 @@ def test_split_units_need_dynamic_scheduling():
     (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale"),
     (dict(poly_exp2=9), "poly_exp2"), (dict(poly_exp2=True), "poly_exp2"),
     (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
-    (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units")])
+    (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units"),
+    (dict(row_sum_first=1), "row_sum_first"), (dict(q_per_tile="yes"), "q_per_tile"),
+    (dict(column_mask=None), "column_mask")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
@@ -961,6 +970,11 @@ def POLY(eighths):  # noqa: N802 (reads as a config constant in the table below)
   return pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=eighths))
 
 
+def REGISTERS(wgs):  # noqa: N802 (reads as a config constant in the table below)
+  return pp.MosaicConfig(compute_wgs=wgs, options=pp.MosaicOptions(
+      row_sum_first=True, q_per_tile=True, column_mask=True))
+
+
 # Key-less units as before the twentieth session, loading Q like the others
 NO_SKIP = pp.MosaicOptions(keyless_units="per_head", skip_keyless_q=False)
 
@@ -1027,6 +1041,13 @@ LOWERED = [
     Lowered(kind="mla", heads=16, kv_heads=16, config=POLY(8)),
     Lowered(mask=masks.SlidingWindowCausalMask(128), sink=True, config=POLY(3)),
     Lowered(dtype="float8_e4m3fn", config=POLY(4)),
+    # MosaicOptions' register options (issue 25): every mask (NullMask's key ranges are
+    # scalars, no row iota), two and three compute warpgroups, MLA, paged keys' offsets
+    *[Lowered(mask=m, config=REGISTERS(wgs)) for m in (
+        masks.CausalMask(), masks.NullMask(), masks.SlidingWindowCausalMask(128),
+        masks.ChunkedCausalMask(256)) for wgs in (2, 3)],
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, total_kv=1503, lse=True,
+            config=dataclasses.replace(REGISTERS(3), block_kv=64)),
 ]
 
 
