@@ -1042,7 +1042,7 @@ LOWERED = [
     Lowered(mask=masks.SlidingWindowCausalMask(128), sink=True, config=POLY(3)),
     Lowered(dtype="float8_e4m3fn", config=POLY(4)),
     # MosaicOptions' register options (issue 25): every mask (NullMask's key ranges are
-    # scalars, no row iota), two and three compute warpgroups, MLA, paged keys' offsets
+    # scalars, no row iota), two and three compute warpgroups, MLA with K/V offsets
     *[Lowered(mask=m, config=REGISTERS(wgs)) for m in (
         masks.CausalMask(), masks.NullMask(), masks.SlidingWindowCausalMask(128),
         masks.ChunkedCausalMask(256)) for wgs in (2, 3)],

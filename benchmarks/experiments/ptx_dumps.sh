@@ -6,8 +6,9 @@
 #   bash benchmarks/experiments/ptx_dumps.sh OUT KERNEL WORKLOAD SYSTEM NAME "OPT=V ..." ...
 #
 # For each NAME and its options (``benchmarks.profile --mosaic-options``; "" for none):
-# OUT/NAME.ptx.gz (everything MOSAIC_GPU_DUMP_PTX printed: the work list's kernel, then the
-# attention kernel) and ptxas's lines for it on stdout (registers, spills, C7512).
+# OUT/NAME.txt.gz (everything the call printed with MOSAIC_GPU_DUMP_PTX and _PTXAS: the
+# work list's kernel's PTX, then the attention kernel's, each followed by ptxas's report)
+# and ptxas's lines on stdout (registers, spills, C7512).
 set -euo pipefail
 out=$1 kernel=$2 workload=$3 system=$4
 shift 4

@@ -60,8 +60,7 @@ def mask_columns(s, lo, hi):
   rows, cols = s.shape
   assert rows == 64 and cols % 8 == 0, s.shape
   layout = plgpu.Layout.WGMMA
-  # A row-independent bound goes as a scalar: two bounds that are both splats do not
-  # pass Mosaic GPU's layout inference as the row layout (jax 0.12).
+  # A row-independent bound (NullMask's, CausalMask's lo) goes as a scalar, one register.
   lo, hi = (jnp.asarray(x, jnp.int32) for x in (lo, hi))
   kinds = tuple(plgpu.Layout.WG_SPLAT if x.ndim == 0 else layout.reduce(1) for x in (lo, hi))
   lo, hi = (x if x.ndim == 0 else plgpu.layout_cast(x, k) for x, k in zip((lo, hi), kinds))
