@@ -852,14 +852,13 @@ def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p):
   barrier, which the new maximum passes through too), after it beyond (register
   pressure); with ``KernelSpec.row_sum_first`` before P's conversion, so that each
   float32 of P dies as it is converted. Returns (acc, l, m_new)."""
-  if spec.v_depth <= 128 and spec.row_sum_first:
-    l_i = l_i + p.sum(axis=1)
-    p16 = p.astype(spec.dtype)
-    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-    turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
-  elif spec.v_depth <= 128:
-    p16 = p.astype(spec.dtype)
-    l_i = l_i + p.sum(axis=1)
+  if spec.v_depth <= 128:
+    if spec.row_sum_first:
+      l_i = l_i + p.sum(axis=1)
+      p16 = p.astype(spec.dtype)
+    else:
+      p16 = p.astype(spec.dtype)
+      l_i = l_i + p.sum(axis=1)
     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
     turns.pv_turn(lambda: plgpu.barrier_wait(scratch.v_loaded.at[slot(i)]))
   else:
