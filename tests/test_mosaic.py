@@ -1048,6 +1048,8 @@ LOWERED = [
         masks.ChunkedCausalMask(256)) for wgs in (2, 3)],
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, total_kv=1503, lse=True,
             config=dataclasses.replace(REGISTERS(3), block_kv=64)),
+    *[Lowered(dtype="float8_e4m3fn", mask=m, config=REGISTERS(3)) for m in (
+        masks.NullMask(), masks.SlidingWindowCausalMask(128))],
 ]
 
 
