@@ -262,12 +262,18 @@ def tile_first_row(kv_row, kv_last, i, *, block_kv, unit):
   return jnp.minimum(kv_row + i * (block_kv // unit), kv_last) * unit
 
 
+def first_fresh_key(i, kv_row, kv_start, *, block_kv, unit):
+  """The position of KV tile i's first key that no earlier tile had (with aligned
+  tiles, a shifted last tile repeats some and the first starts up to 7 rows before the
+  sequence): at least 0."""
+  return jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
+
+
 def visible_keys(mask, q_pos, k_pos, i, kv_row, kv_start, kv_len, *, block_kv, unit):
   """Which (query, key) pairs of KV tile i a masked step keeps: keys of the sequence
-  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had (with aligned
-  tiles, a shifted last tile repeats some and the first starts up to 7 rows before the
-  sequence)."""
-  fresh = jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
+  (0 <= k_pos < kv_len) that the mask shows and that no earlier tile had
+  (``first_fresh_key``)."""
+  fresh = first_fresh_key(i, kv_row, kv_start, block_kv=block_kv, unit=unit)
   return mask.visible(q_pos, k_pos) & (k_pos >= fresh) & (k_pos < kv_len)
 
 
@@ -275,7 +281,7 @@ def visible_columns(mask, q_pos, k0, i, kv_row, kv_start, kv_len, *, block_kv, u
   """``visible_keys`` as a run of columns [lo, hi) of KV tile i for each query (the
   tile's first key at position k0; ``masks``' ``key_range``): column c is visible iff
   lo <= c < hi, for the columns of keys at positions >= 0."""
-  fresh = jnp.maximum(kv_row * unit + i * block_kv - kv_start, 0)
+  fresh = first_fresh_key(i, kv_row, kv_start, block_kv=block_kv, unit=unit)
   lo, hi = mask.key_range(q_pos)
   return jnp.maximum(lo, fresh) - k0, jnp.minimum(hi, kv_len) - k0
 
