@@ -168,12 +168,13 @@ MOSAIC_CONFIG_FIELDS = ("split_units", "block_kv", "num_stages", "num_programs",
 
 
 def _split_mosaic_options(options):
-  """(MosaicConfig fields, MosaicOptions) of parsed ``options``; the dataclasses' own checks
-  raise ValueError for a value of the wrong type or range."""
+  """(MosaicConfig fields, MosaicOptions fields) of parsed ``options``; the dataclasses' own
+  checks raise ValueError for a value of the wrong type or range."""
   config_fields = {k: v for k, v in options.items() if k in MOSAIC_CONFIG_FIELDS}
+  option_fields = {k: v for k, v in options.items() if k not in MOSAIC_CONFIG_FIELDS}
   pp.MosaicConfig(**config_fields)  # each field checked against the defaults of the others
-  return config_fields, pp.MosaicOptions(
-      **{k: v for k, v in options.items() if k not in MOSAIC_CONFIG_FIELDS})
+  pp.MosaicOptions(**option_fields)
+  return config_fields, option_fields
 
 
 def parse_mosaic_options(settings) -> dict:
@@ -204,14 +205,16 @@ def mosaic_config(options, problem: Problem) -> pp.MosaicConfig | None:
   None, the entry point's own default, when there are none; else the default for the call
   (``default_mosaic_config`` of q's and V's depths, dtype, mask and longest prompt; the
   harness's depths are powers of two, so q's is its padded one: MLA's 128 + 64 = 192) with
-  the given fields replaced."""
+  the given fields of it and of its options replaced (the others as the default call has
+  them: ``column_mask`` is on for short prompts)."""
   if not options:
     return None
-  config_fields, mosaic_options = _split_mosaic_options(options)
+  config_fields, option_fields = _split_mosaic_options(options)
   w = problem.workload
   base = config_lib.default_mosaic_config(problem.q.shape[-1], problem.kv[-1].shape[-1],
                                           problem.q.dtype, w.mask, w.max_len)
-  return dataclasses.replace(base, **config_fields, options=mosaic_options)
+  return dataclasses.replace(base, **config_fields,
+                             options=dataclasses.replace(base.options, **option_fields))
 
 
 def _pallas(problems, *, paged, backend="triton", config=None, logits_soft_cap=None,

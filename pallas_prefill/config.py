@@ -153,7 +153,10 @@ class MosaicOptions:
     column_mask: a masked KV tile's scores hidden by each row's run of visible columns
       (``masks``' ``key_range``; ``primitives.mask_columns``: each score compared with
       an immediate) instead of the mask's test on position iotas, whose column indices
-      LLVM hoists out of the KV loop (31 registers held across it).
+      LLVM hoists out of the KV loop (31 registers held across it). The same scores
+      hidden, so the same output bits. Off in a ``MosaicOptions()`` made by hand;
+      ``config=None`` turns it on for prompts up to ``COLUMN_MASK_MAX_PROMPT`` (on the
+      H200 1.05x on MHA short64, about 0.98x on equal4x4096: BUILD_NOTES.md).
   """
 
   dynamic: bool = True
@@ -311,14 +314,32 @@ def _length_free_entry(tables, qk_depth, v_depth, dtype, mask):
 
 def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
                           max_prompt_len: int) -> MosaicConfig:
-  """The Mosaic GPU configuration ``config=None`` uses, the same for every
+  """The Mosaic GPU configuration ``config=None`` uses. Its tiles are the same for every
   ``max_prompt_len`` (batch invariance: ``_length_free_entry``): the tuned entry for the
   device, else 128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows
   of K and V would not fit shared memory twice over (MLA's 192 + 128). FP8 (e4m3) at
   depth 128 (MHA's) runs three compute warpgroups (``MosaicConfig.compute_wgs``): on the
   H200 1.02x-1.07x two on the harness's MHA workloads; MLA's 192 + 128 (0.95x-1.00x)
-  and bf16 (whose kernel spills at 160 registers a thread: 0.5x) keep two."""
-  del max_prompt_len  # (the tiles must not depend on it)
+  and bf16 (whose kernel spills at 160 registers a thread: 0.5x) keep two.
+
+  Short prompts (``max_prompt_len <= COLUMN_MASK_MAX_PROMPT``) mask their tiles by
+  columns (``MosaicOptions.column_mask``), which hides the same scores as the position
+  test and so changes no output bit (``tests/test_gpu.py``): on the H200 1.05x on MHA
+  short64, where a large share of the tiles are masked, and about 0.98x on equal4x4096
+  (BUILD_NOTES.md, thirtieth session)."""
+  config = _default_tiles(qk_depth, v_depth, dtype, mask)
+  if max_prompt_len <= COLUMN_MASK_MAX_PROMPT:
+    config = dataclasses.replace(
+        config, options=dataclasses.replace(config.options, column_mask=True))
+  return config
+
+
+# ``default_mosaic_config`` masks by columns up to this max_prompt_len.
+COLUMN_MASK_MAX_PROMPT = LONG_PROMPT
+
+
+def _default_tiles(qk_depth: int, v_depth: int, dtype, mask) -> MosaicConfig:
+  """``default_mosaic_config``'s tiles, warpgroups and stages, with the default options."""
   if is_fp8(dtype) and qk_depth == v_depth == 128:
     return MosaicConfig(block_kv=128, num_stages=2, compute_wgs=3)
   tuned = _length_free_entry(TUNED_MOSAIC, qk_depth, v_depth, dtype, mask)

@@ -359,8 +359,10 @@ def test_harness_passes_mosaic_options_to_the_mosaic_system_only(monkeypatch, tm
   w = wl.WORKLOADS["tiny"]
   default = config_lib.default_mosaic_config(128, 128, "bfloat16", w.mask, w.max_len)
   assert default.block_kv == 128  # so that block_kv=64 is seen to change it
+  # (the options the call's default has, column_mask among them, kept unless given)
   expected = pp.MosaicConfig(block_kv=64, num_stages=default.num_stages,
-                             options=pp.MosaicOptions(dynamic=False, head_major=1))
+                             options=dataclasses.replace(default.options, dynamic=False,
+                                                         head_major=1))
   # The soft-capped system (no backend argument) takes the config too.
   assert set(seen) == {("mosaic_gpu", expected), ("triton", None), ("auto", expected)}
   results = json.loads((tmp_path / "results.json").read_text())
@@ -406,7 +408,9 @@ def test_profile_runs_one_call(monkeypatch, capsys):
                 "--mosaic-options", "dynamic=False"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
   [(backend, config)] = seen  # traced once
-  assert backend == "mosaic_gpu" and config.options == pp.MosaicOptions(dynamic=False)
+  # (tiny's prompts are short: config=None's column mask with them)
+  assert backend == "mosaic_gpu" and config.options == pp.MosaicOptions(dynamic=False,
+                                                                        column_mask=True)
   assert ("unprofiled) one call: mha tiny pallas_prefill_mosaic {'dynamic': False}"
           in capsys.readouterr().out)
   with pytest.raises(SystemExit):  # not an option

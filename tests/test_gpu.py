@@ -299,11 +299,42 @@ def test_mosaic_aligned_tiles_are_not_invariant():
   assert any(not np.array_equal(b, bits[0]) for b in bits[1:]), f"seed={seed}"
 
 
+@pytest.mark.parametrize("case", INVARIANCE_GPU_CASES, ids=lambda c: c.name)
+def test_mosaic_column_mask_changes_no_bit(case):
+  """``MosaicOptions.column_mask`` (``config=None``'s for prompts up to
+  ``config.COLUMN_MASK_MAX_PROMPT``) hides the same scores as the position test, with the
+  same -inf: bitwise the same output and LSE rows with it on and off, so that a
+  sequence's bits do not depend on the batch's longest prompt; on checked against the
+  reference. Every mask, cached prefixes, MLA, paged caches read in place and gathered."""
+  from pallas_prefill import config as config_lib, logits  # pylint: disable=g-import-not-at-top
+  seed = cases.fresh_seed()
+  entry, reference = cases.ENTRY_POINTS[case.kind]
+  args, kwargs, rows = cases.placed_inputs(case, seed, 0)
+  pad = logits.padded_depth
+  qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
+  base = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
+                                          jnp.dtype(case.dtype), case.mask,
+                                          kwargs["max_prompt_len"])
+  bits = []
+  for on in (True, False):
+    config = dataclasses.replace(
+        base, options=dataclasses.replace(base.options, column_mask=on))
+    poison_device_memory()
+    result = entry(*args, interpret=False, backend="mosaic_gpu", config=config, **kwargs)
+    if on:
+      cases.check_outputs(case, result, reference(*args, **kwargs),
+                          int(np.asarray(args[-1])[-1]), seed)
+    bits.append(cases.rows_bits(result, rows))
+  for a, b, what in zip(*bits, ("output", "LSE")):
+    np.testing.assert_array_equal(a, b, err_msg=f"{what}, seed={seed}")
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_rows_do_not_depend_on_max_prompt_len(kind, backend):
   """max_prompt_len on either side of the tuned tables' long-prompt bound
-  (``config.LONG_PROMPT``; MLA's entries differ in block_q, not in block_kv): bitwise
+  (``config.LONG_PROMPT``; MLA's entries differ in block_q, not in block_kv), which on
+  Mosaic GPU is also the default's column mask's (``COLUMN_MASK_MAX_PROMPT``): bitwise
   the same rows."""
   case = _INVARIANT if kind == "mha" else INVARIANCE_GPU_CASES[5]
   case = dataclasses.replace(case, lens=(600, 37, 1), kv_lens=None)

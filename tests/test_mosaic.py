@@ -798,15 +798,22 @@ def test_fitted_halves_wide_fp8_tiles_until_they_fit():
 def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
   """Batch invariance: the batch's longest prompt picks neither other KV tiles nor another
   backend (either would change a sequence's output bits), on the H200 where the tuned
-  tables' short and long entries differ (MLA's KV tiles, MHA's verdict at depth 64)."""
+  tables' short and long entries differ (MLA's KV tiles, MHA's verdict at depth 64). It
+  picks only the column mask, which changes no bit (``test_gpu``'s
+  test_mosaic_column_mask_changes_no_bit): on up to ``COLUMN_MASK_MAX_PROMPT``."""
   from tests.test_lowering import H200_MESH  # pylint: disable=g-import-not-at-top
+  bound = config_lib.COLUMN_MASK_MAX_PROMPT
   with jax.sharding.use_abstract_mesh(H200_MESH):
     assert config_lib.device_kind() in config_lib.TUNED_MOSAIC
     for qk, v in ((64, 64), (128, 128), (192, 128), (256, 256)):
-      for dtype in (jnp.bfloat16, jnp.float16):
-        calls = [(config_lib.default_mosaic_config(qk, v, dtype, mask, n),
-                  config_lib.prefers_triton(qk, v, dtype, mask, n)) for n in (64, 4096)]
-        assert calls[0] == calls[1], (qk, v, dtype, calls)
+      for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
+        configs = [config_lib.default_mosaic_config(qk, v, dtype, mask, n)
+                   for n in (64, bound, bound + 1, 4096)]
+        assert [c.options.column_mask for c in configs] == [True, True, False, False]
+        calls = [(dataclasses.replace(c, options=dataclasses.replace(
+            c.options, column_mask=False)), config_lib.prefers_triton(qk, v, dtype, mask, n))
+                 for c, n in zip(configs, (64, bound, bound + 1, 4096))]
+        assert all(c == calls[0] for c in calls), (qk, v, dtype, calls)
 
 
 def test_fp8_at_depth_128_runs_three_compute_wgs_by_default():
