@@ -19,6 +19,7 @@ it, with two and with three compute warpgroups (``MosaicConfig.compute_wgs``). E
 checked against a float32 reference on four query heads first.
 
     python3 -m benchmarks.experiments.compute_wgs [--rounds 3] [--rest 0.3] [--out DIR]
+        [--arms NAME ...] [--library bf16 fp8] [--library-options NAME=VALUE ...]
     python3 -m benchmarks.experiments.compute_wgs --lower   # anywhere: lowers every arm
 
 ``MOSAIC_GPU_DUMP_PTXAS=1`` prints ptxas's registers and spills of each arm.
@@ -226,10 +227,11 @@ def reference(q, k, v, heads=4):
   return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v32)
 
 
-def library_call(dtype, wgs=2, causal=False):
+def library_call(dtype, wgs=2, causal=False, options=None):
   """The library's Mosaic GPU call on the same arrays (packed), with ``wgs`` compute
-  warpgroups (``MosaicConfig.compute_wgs``)."""
-  config = pp.MosaicConfig(compute_wgs=wgs)
+  warpgroups (``MosaicConfig.compute_wgs``) and ``options`` ({MosaicOptions field:
+  value}, else the defaults)."""
+  config = pp.MosaicConfig(compute_wgs=wgs, options=pp.MosaicOptions(**(options or {})))
   mask = pp.masks.CausalMask() if causal else pp.masks.NullMask()
 
   def fn(q, k, v):
@@ -257,6 +259,8 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=6144)
   ap.add_argument("--library", nargs="*", default=["bf16", "fp8"],
                   help="dtypes of the library's call, with 2 and 3 compute warpgroups")
+  ap.add_argument("--library-options", nargs="*", default=[], metavar="NAME=VALUE",
+                  help="MosaicOptions of the library's calls (benchmarks.run's syntax)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   sys.path.insert(0, ".")
@@ -285,9 +289,12 @@ def main(argv=None):
     q, k, v = inputs[arm.dtype]
     calls[arm.name] = (jax.jit(lambda q, k, v, arm=arm: attention(q, k, v, arm=arm)),
                        (q, k, p_order_vt(v) if arm.dtype == "fp8" else v), arm.dtype)
+  from benchmarks import systems  # pylint: disable=g-import-not-at-top
+  options = systems.parse_mosaic_options(args.library_options)
   for dt in args.library:
     for wgs in (2, 3):
-      calls[f"library_{dt}_w{wgs}"] = (jax.jit(library_call(dt, wgs)), inputs[dt], dt)
+      calls[f"library_{dt}_w{wgs}"] = (
+          jax.jit(library_call(dt, wgs, options=options)), inputs[dt], dt)
   flops = 4.0 * b * n * t * t * d
   results = {}
   for name, (fn, xs, dt) in calls.items():
@@ -318,7 +325,7 @@ def main(argv=None):
                 f"  finite {r['finite']}")
   meta = dict(batch=b, seq=t, heads=n, kv_heads=kh, depth=d, rounds=args.rounds,
               commit=os.environ.get("PALLAS_PREFILL_COMMIT"), jax=jax.__version__,
-              arms=[dataclasses.asdict(a) for a in arms])
+              arms=[dataclasses.asdict(a) for a in arms], library_options=options)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compute_wgs.json"), "w") as f:
