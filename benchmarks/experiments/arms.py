@@ -14,7 +14,10 @@ its reference, then all are timed in turns over ``--rounds`` rounds, each after
 Prints useful TFLOP/s (medians) and each arm against the first arm of its system, and
 the padded system's time against the packed one's (``pallas_prefill_mosaic``) in the same
 arm; writes DIR/arms.json. ``benchmarks.ab`` (a process per arm, as a harness run starts)
-is the check before a default changes.
+is the check before a default changes. Rounds do not cover what is fixed per compiled
+call: MHA equal4x4096 runs at one of two speeds about 7 % apart per compiled arm
+(BUILD_NOTES, facts), so an arm's lead there under 7 % wants ``benchmarks.ab``, whose
+rounds are new processes.
 """
 
 from __future__ import annotations
