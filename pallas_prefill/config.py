@@ -156,7 +156,8 @@ class MosaicOptions:
       LLVM hoists out of the KV loop (31 registers held across it). The same scores
       hidden, so the same output bits. Off in a ``MosaicOptions()`` made by hand;
       ``config=None`` turns it on for prompts up to ``COLUMN_MASK_MAX_PROMPT`` (on the
-      H200 1.05x on MHA short64, about 0.98x on equal4x4096: BUILD_NOTES.md).
+      H200 1.04x-1.09x on short64, MHA, MLA and FP8; 0.97x-0.99x on MHA's long prompts,
+      where ptxas schedules the unmasked tiles' loop a little worse: BUILD_NOTES.md).
   """
 
   dynamic: bool = True
@@ -325,8 +326,8 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   Short prompts (``max_prompt_len <= COLUMN_MASK_MAX_PROMPT``) mask their tiles by
   columns (``MosaicOptions.column_mask``), which hides the same scores as the position
   test and so changes no output bit (``tests/test_gpu.py``): on the H200 1.05x on MHA
-  short64, where a large share of the tiles are masked, and about 0.98x on equal4x4096
-  (BUILD_NOTES.md, thirtieth session)."""
+  short64, where most tiles are masked, 1.04x on MLA's and 1.09x on FP8's, against
+  0.97x-0.99x on MHA's long prompts (BUILD_NOTES.md, thirty-first session)."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if max_prompt_len <= COLUMN_MASK_MAX_PROMPT:
     config = dataclasses.replace(

@@ -303,9 +303,10 @@ def test_mosaic_aligned_tiles_are_not_invariant():
 def test_mosaic_column_mask_changes_no_bit(case):
   """``MosaicOptions.column_mask`` (``config=None``'s for prompts up to
   ``config.COLUMN_MASK_MAX_PROMPT``) hides the same scores as the position test, with the
-  same -inf: bitwise the same output and LSE rows with it on and off, so that a
-  sequence's bits do not depend on the batch's longest prompt; on checked against the
-  reference. Every mask, cached prefixes, MLA, paged caches read in place and gathered."""
+  same -inf: bitwise the same output and LSE rows with it on and off (the call with it
+  on also checked against the reference), so that a sequence's bits do not depend on the
+  batch's longest prompt. Every mask, cached prefixes, MLA, paged caches read in place
+  and gathered."""
   from pallas_prefill import config as config_lib, logits  # pylint: disable=g-import-not-at-top
   seed = cases.fresh_seed()
   entry, reference = cases.ENTRY_POINTS[case.kind]
