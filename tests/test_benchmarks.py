@@ -840,3 +840,40 @@ def test_arms_experiment_times_arms_in_turns(tmp_path, monkeypatch, capsys):
               ["--arm", "a", "nonsense=1"]):
     with pytest.raises(SystemExit):
       arms.main(bad)
+
+
+def test_three_wgs_bits_experiment_compares_two_and_three(monkeypatch, tmp_path, capsys):
+  """benchmarks.experiments.three_wgs_bits with a stand-in entry point (the Mosaic GPU
+  kernel needs a Hopper GPU): both calls take the register cuts and differ only in
+  compute_wgs; the same bits pass, one element changed with three warpgroups is reported
+  and exits 1; the cases lower for an H200 (two small ones here)."""
+  from benchmarks.experiments import three_wgs_bits as tb  # pylint: disable=g-import-not-at-top
+  from tests import cases, test_gpu  # pylint: disable=g-import-not-at-top
+  tiny = cases.Case(lens=(37, 1, 100), heads=4, kv_heads=2, head_dim=128, config=None,
+                    lse=True)
+  monkeypatch.setattr(tb, "case_list", lambda: [
+      tiny, dataclasses.replace(tiny, kv_lens=(50, 1, 130), page_size=16)])
+  monkeypatch.setattr(test_gpu, "poison_device_memory", lambda: None)
+  seen, change = [], []
+
+  def entry(*args, interpret, backend, config, **kwargs):
+    seen.append((interpret, backend, config))
+    out, lse = pp.reference.mha_prefill_reference(*args, **kwargs)
+    if change and config.compute_wgs == 3:
+      out = out.at[0, 0, 0].add(0.25)
+    return out, lse
+
+  monkeypatch.setitem(cases.ENTRY_POINTS, "mha",
+                      (entry, pp.reference.mha_prefill_reference))
+  assert tb.main(["--out", str(tmp_path)]) == 0
+  assert [c.compute_wgs for _, _, c in seen] == [2, 3, 2, 3]
+  assert all(i is False and b == "mosaic_gpu" and c.options == pp.MosaicOptions(**tb.CUTS)
+             for i, b, c in seen)
+  report = json.loads((tmp_path / "three_wgs_bits.json").read_text())
+  assert report["ok"] and all("bitwise the same" in line for line in report["lines"])
+  change.append(True)
+  assert tb.main([]) == 1
+  out = capsys.readouterr().out
+  assert out.count("elements that differ [1, 0]") == 2 and "SOME DIFFER" in out
+  tb.lower_all()
+  assert capsys.readouterr().out.count(": lowered,") == 4
