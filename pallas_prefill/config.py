@@ -158,6 +158,15 @@ class MosaicOptions:
       ``config=None`` turns it on for prompts up to ``COLUMN_MASK_MAX_PROMPT`` (on the
       H200 1.04x-1.09x on short64, MHA, MLA and FP8; 0.97x-0.99x on MHA's long prompts,
       where ptxas schedules the unmasked tiles' loop a little worse: BUILD_NOTES.md).
+    column_lo_static: with ``column_mask``, where the mask's visible keys start at
+      position 0 for every query (``masks.key_range_starts_at_zero``: the null and causal
+      masks) and KV tiles start at the sequence's first key (``batch_invariant``, bf16
+      and float16), no tile shows a row a key before its first column, so each score is
+      compared with the row's upper bound only: one compare and one AND fewer per masked
+      score (about 64 of a masked tile's 294 instructions between the Q.K wait and the
+      first exp2 on the H200's MHA kernel). The same scores hidden, so the same bits.
+      Off by default: not yet measured on the H200 (BUILD_NOTES.md, thirty-third
+      session).
   """
 
   dynamic: bool = True
@@ -179,12 +188,14 @@ class MosaicOptions:
   row_sum_first: bool = False
   q_per_tile: bool = False
   column_mask: bool = False
+  column_lo_static: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
-                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask"):
+                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask",
+                 "column_lo_static"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

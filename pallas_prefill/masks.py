@@ -146,3 +146,10 @@ class ChunkedCausalMask:
 
 Mask = NullMask | CausalMask | SlidingWindowCausalMask | ChunkedCausalMask
 MASK_TYPES = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedCausalMask)
+
+
+def key_range_starts_at_zero(mask) -> bool:
+  """Whether ``mask.key_range``'s lower bound is 0 for every query (the null and causal
+  masks; tests/test_masks.py checks it against ``visible``): a static fact of the mask's
+  type, so that a kernel may leave the bound out."""
+  return isinstance(mask, (NullMask, CausalMask))

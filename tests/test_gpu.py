@@ -305,8 +305,9 @@ def test_mosaic_column_mask_changes_no_bit(case):
   ``config.COLUMN_MASK_MAX_PROMPT``) hides the same scores as the position test, with the
   same -inf: bitwise the same output and LSE rows with it on and off (the call with it
   on also checked against the reference), so that a sequence's bits do not depend on the
-  batch's longest prompt. Every mask, cached prefixes, MLA, paged caches read in place
-  and gathered."""
+  batch's longest prompt. ``MosaicOptions.column_lo_static`` (the upper bound alone where
+  the mask's keys start at 0) likewise. Every mask, cached prefixes, MLA, paged caches
+  read in place and gathered."""
   from pallas_prefill import config as config_lib, logits  # pylint: disable=g-import-not-at-top
   seed = cases.fresh_seed()
   entry, reference = cases.ENTRY_POINTS[case.kind]
@@ -317,17 +318,19 @@ def test_mosaic_column_mask_changes_no_bit(case):
                                           jnp.dtype(case.dtype), case.mask,
                                           kwargs["max_prompt_len"])
   bits = []
-  for on in (True, False):
-    config = dataclasses.replace(
-        base, options=dataclasses.replace(base.options, column_mask=on))
+  arms = ((True, False), (False, False), (True, True))  # (column_mask, column_lo_static)
+  for on, lo_static in arms:
+    config = dataclasses.replace(base, options=dataclasses.replace(
+        base.options, column_mask=on, column_lo_static=lo_static))
     poison_device_memory()
     result = entry(*args, interpret=False, backend="mosaic_gpu", config=config, **kwargs)
     if on:
       cases.check_outputs(case, result, reference(*args, **kwargs),
                           int(np.asarray(args[-1])[-1]), seed)
     bits.append(cases.rows_bits(result, rows))
-  for a, b, what in zip(*bits, ("output", "LSE")):
-    np.testing.assert_array_equal(a, b, err_msg=f"{what}, seed={seed}")
+  for arm, got in zip(arms[1:], bits[1:]):
+    for a, b, what in zip(got, bits[0], ("output", "LSE")):
+      np.testing.assert_array_equal(a, b, err_msg=f"{what}, {arm}, seed={seed}")
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])

@@ -45,3 +45,17 @@ def test_key_range_agrees_with_visible(mask):
   vis = np.asarray(mask.visible(queries[:, None], keys[None, :]))
   vis = np.broadcast_to(vis, (len(queries), len(keys)))
   np.testing.assert_array_equal((lo <= keys) & (keys < hi), vis, err_msg=repr(mask))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_key_range_starts_at_zero(mask):
+  """``key_range_starts_at_zero`` (``MosaicOptions.column_lo_static``'s condition) holds
+  exactly where every query, at any position, sees its keys from position 0 on (its
+  lowest visible key, if any, is 0) and key_range's lower bound is the scalar 0."""
+  queries, keys = np.arange(-9, 30), np.arange(0, 40)
+  vis = np.broadcast_to(np.asarray(mask.visible(queries[:, None], keys[None, :])),
+                        (len(queries), len(keys)))
+  starts_at_zero = all(row[0] for row in vis if row.any())
+  assert masks.key_range_starts_at_zero(mask) == starts_at_zero, repr(mask)
+  lo, _ = mask.key_range(queries.astype(np.int32))
+  assert (np.ndim(lo) == 0 and int(lo) == 0) == starts_at_zero, repr(mask)

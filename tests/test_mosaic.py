@@ -190,6 +190,10 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
         np.testing.assert_array_equal(np.broadcast_to((lo <= columns) & (columns < hi),
                                                       vis.shape), vis,
                                       err_msg=f"visible_columns: item {t} tile {i}")
+        if mosaic_kernel.lo_column_is_first(mask, unit["unit"]):
+          # MosaicOptions.column_lo_static's test: the upper bound alone
+          np.testing.assert_array_equal(np.broadcast_to(columns < hi, vis.shape), vis,
+                                        err_msg=f"column_lo_static: item {t} tile {i}")
         vt = _v_tile_as_loaded(tile(v, kvh), native is not None, align, i, start, kv_len,
                                kv_end)
         s = np.where(vis, s, -np.inf)
@@ -901,7 +905,7 @@ def test_split_units_need_dynamic_scheduling():
     (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
     (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units"),
     (dict(row_sum_first=1), "row_sum_first"), (dict(q_per_tile="yes"), "q_per_tile"),
-    (dict(column_mask=None), "column_mask")])
+    (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
@@ -982,6 +986,14 @@ def REGISTERS(wgs):  # noqa: N802 (reads as a config constant in the table below
       row_sum_first=True, q_per_tile=True, column_mask=True))
 
 
+def LO_STATIC(wgs, **fields):  # noqa: N802 (as REGISTERS)
+  """REGISTERS(wgs) with ``MosaicOptions.column_lo_static``, the config's other fields
+  replaced by ``fields``."""
+  config = REGISTERS(wgs)
+  return dataclasses.replace(config, **fields, options=dataclasses.replace(
+      config.options, column_lo_static=True))
+
+
 # Key-less units as before the twentieth session, loading Q like the others
 NO_SKIP = pp.MosaicOptions(keyless_units="per_head", skip_keyless_q=False)
 
@@ -1057,6 +1069,14 @@ LOWERED = [
             config=dataclasses.replace(REGISTERS(3), block_kv=64)),
     *[Lowered(dtype="float8_e4m3fn", mask=m, config=REGISTERS(3)) for m in (
         masks.NullMask(), masks.SlidingWindowCausalMask(128))],
+    # MosaicOptions.column_lo_static: the column mask's upper bound alone (causal and null
+    # masks), with two and three warpgroups, MLA, float16 with the LSE and sinks
+    Lowered(config=LO_STATIC(2)),
+    Lowered(mask=masks.NullMask(), lse=True, sink=True, total_q=1001, total_kv=1503,
+            config=LO_STATIC(3)),
+    Lowered(kind="mla", heads=16, kv_heads=16, lse=True,
+            config=LO_STATIC(2, block_kv=64, num_stages=3)),
+    Lowered(dtype="float16", lse=True, sink=True, config=LO_STATIC(2)),
 ]
 
 
@@ -1205,6 +1225,38 @@ def test_default_config_lowers(problem):
   assert out.dtype == problem.out_dtype
   if problem.lse:
     assert out_info[1].shape == (problem.total_q, problem.heads)
+
+
+@pytest.mark.parametrize("mask,dropped", [
+    (masks.CausalMask(), True), (masks.NullMask(), True),
+    (masks.SlidingWindowCausalMask(128), False), (masks.ChunkedCausalMask(256), False)],
+    ids=repr)
+def test_column_lo_static_drops_the_lower_compare(mask, dropped):
+  """``MosaicOptions.column_lo_static`` changes the kernel exactly where its condition
+  holds (``kernel.lo_column_is_first``: the null and causal masks on tiles at the
+  sequence's first key): the lowered module differs from the one without it there, and
+  is the same elsewhere (the option does nothing on sliding-window and chunked masks,
+  and on aligned tiles)."""
+  def text(config):
+    return Lowered(mask=mask, config=config).lower().as_text()
+  aligned = lambda c: dataclasses.replace(c, options=dataclasses.replace(  # noqa: E731
+      c.options, batch_invariant=False))
+  assert (text(LO_STATIC(2)) != text(REGISTERS(2))) == dropped
+  assert text(aligned(LO_STATIC(2))) == text(aligned(REGISTERS(2)))
+
+
+def test_column_lo_static_needs_tiles_at_the_first_key():
+  """Where ``lo_column_is_first`` says no, the lower bound is needed: a causal mask's
+  first tile aligned to 8 rows starts 5 rows before a sequence whose first key is row
+  13, so columns 0-4 are hidden by lo (5), not by hi; a sliding window's lo is the
+  window's start."""
+  assert mosaic_kernel.lo_column_is_first(masks.CausalMask(), 1)
+  assert mosaic_kernel.lo_column_is_first(masks.NullMask(), 1)
+  assert not mosaic_kernel.lo_column_is_first(masks.CausalMask(), 8)
+  assert not mosaic_kernel.lo_column_is_first(masks.SlidingWindowCausalMask(8), 1)
+  lo, hi = mosaic_kernel.visible_columns(masks.CausalMask(), jnp.arange(100, 104), -5, 0,
+                                         1, 13, 200, block_kv=128, unit=8)
+  assert int(lo) == 5 and (np.asarray(hi) == np.arange(106, 110)).all()
 
 
 # --------------------------------------------------------------------------------------

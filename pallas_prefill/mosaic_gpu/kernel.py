@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
+from pallas_prefill import masks
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
@@ -147,7 +148,7 @@ class KernelSpec:
   warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
-  warpgroups).
+  warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``).
   """
 
   parts: tuple
@@ -184,6 +185,15 @@ class KernelSpec:
   row_sum_first: bool = False
   q_per_tile: bool = False
   column_mask: bool = False
+  column_lo_static: bool = False
+
+  @property
+  def column_lo_dropped(self) -> bool:
+    """The column mask compares each score with its row's upper bound only
+    (``MosaicOptions.column_lo_static``), where no tile shows a row a key before its first
+    column (``lo_column_is_first``)."""
+    return (self.column_mask and self.column_lo_static
+            and lo_column_is_first(self.mask, self.kv_unit))
 
   @property
   def fold_fp8(self) -> bool:
@@ -284,6 +294,16 @@ def visible_columns(mask, q_pos, k0, i, kv_row, kv_start, kv_len, *, block_kv, u
   fresh = first_fresh_key(i, kv_row, kv_start, block_kv=block_kv, unit=unit)
   lo, hi = mask.key_range(q_pos)
   return jnp.maximum(lo, fresh) - k0, jnp.minimum(hi, kv_len) - k0
+
+
+def lo_column_is_first(mask, unit) -> bool:
+  """Whether ``visible_columns``' lo is at most 0 on every tile, so that the column mask
+  needs no lower bound: the mask's keys start at position 0 for every query
+  (``masks.key_range_starts_at_zero``) and KV tiles start at the sequence's first key
+  (``unit`` 1: tile i's first key is at position i * block_kv, which no earlier tile
+  had, so lo = max(0, fresh) - k0 = 0). tests/test_mosaic.py's emulated schedule
+  asserts it on every masked tile where this holds."""
+  return unit == 1 and masks.key_range_starts_at_zero(mask)
 
 
 def scratch_for(spec: KernelSpec) -> smem.Scratch:
@@ -770,7 +790,7 @@ def mask_scores(spec, item: Item, i, s):
           jnp.int32, (spec.block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
     lo, hi = visible_columns(spec.mask, q_pos, k0, i, item.kv_row, item.kv_start,
                              item.kv_len, **unit)
-    return primitives.mask_columns(s, lo, hi)
+    return primitives.mask_columns(s, None if spec.column_lo_dropped else lo, hi)
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (spec.block_q, spec.block_kv),
                            layout=plgpu.Layout.WGMMA)
   visible = visible_keys(spec.mask, item.row_pos + iota(0), k0 + iota(1), i, item.kv_row,

@@ -52,22 +52,25 @@ def opaque(x):
 def mask_columns(s, lo, hi):
   """s [64, cols] float32 in the WGMMA layout, -inf outside each row's columns [lo, hi)
   (lo, hi: int32, [64] in its row layout, ``Layout.WGMMA.reduce(1)``, or a scalar, the
-  same for every row), as ``jnp.where((lo <= c) & (c < hi), s, -inf)`` with c the column
-  iota computes. The thread's first column is subtracted from its two rows' bounds once,
-  so that each score is compared with its constant column offset (an immediate): no
-  column index is held in a register, where LLVM hoists an iota's (one register per two
-  columns, 64 for 128 columns, held across the KV loop)."""
+  same for every row; lo None: no lower bound, as lo <= 0), as ``jnp.where((lo <= c) &
+  (c < hi), s, -inf)`` with c the column iota computes. The thread's first column is
+  subtracted from its two rows' bounds once, so that each score is compared with its
+  constant column offset (an immediate): no column index is held in a register, where
+  LLVM hoists an iota's (one register per two columns, 64 for 128 columns, held across
+  the KV loop)."""
   rows, cols = s.shape
   assert rows == 64 and cols % 8 == 0, s.shape
   layout = plgpu.Layout.WGMMA
   # A row-independent bound (NullMask's, CausalMask's lo) goes as a scalar, one register.
-  lo, hi = (jnp.asarray(x, jnp.int32) for x in (lo, hi))
-  kinds = tuple(plgpu.Layout.WG_SPLAT if x.ndim == 0 else layout.reduce(1) for x in (lo, hi))
-  lo, hi = (x if x.ndim == 0 else plgpu.layout_cast(x, k) for x, k in zip((lo, hi), kinds))
+  bounds_in = tuple(jnp.asarray(x, jnp.int32) for x in (lo, hi) if x is not None)
+  kinds = tuple(plgpu.Layout.WG_SPLAT if x.ndim == 0 else layout.reduce(1)
+                for x in bounds_in)
+  bounds_in = tuple(x if x.ndim == 0 else plgpu.layout_cast(x, k)
+                    for x, k in zip(bounds_in, kinds))
 
   @plgpu.inline_mgpu(arg_types=(layout, *kinds),
                      return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32, layout=layout))
-  def masked(_, s, lo, hi):
+  def masked(_, s, *bounds_regs):
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     # WGMMA_LAYOUT: register (0, j, 0, 0, h, 0, 0, 0, 0), a vector of 2, holds rows
     # r + 8h and columns c + 8j, c + 8j + 1 of the thread's (r, c): register 0's.
@@ -85,7 +88,8 @@ def mask_columns(s, lo, hi):
               if isinstance(r.type, ir.VectorType) else r for r in regs]
       return [arith.subi(r, col0) for r in regs]
 
-    lo_h, hi_h = bounds(lo), bounds(hi)
+    *lo_h, hi_h = [bounds(x) for x in bounds_regs]
+    lo_h = lo_h[0] if lo_h else None
     hidden = arith.constant(f32, float("-inf"))
     out = np.empty(s.registers.shape, dtype=object)
     for idx in np.ndindex(s.registers.shape):
@@ -93,15 +97,16 @@ def mask_columns(s, lo, hi):
       reg = s.registers[idx]
       for e in range(2):
         k = arith.constant(i32, 8 * j + e)
-        seen = arith.andi(arith.cmpi(arith.CmpIPredicate.sle, lo_h[h], k),
-                          arith.cmpi(arith.CmpIPredicate.sgt, hi_h[h], k))
+        above = None if lo_h is None else arith.cmpi(arith.CmpIPredicate.sle, lo_h[h], k)
+        below = arith.cmpi(arith.CmpIPredicate.sgt, hi_h[h], k)
+        seen = below if above is None else arith.andi(above, below)
         x = vector.extract(reg, dynamic_position=[], static_position=[e])
         reg = vector.insert(arith.select(seen, x, hidden), reg, dynamic_position=[],
                             static_position=[e])
       out[idx] = reg
     return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-  return masked(s, lo, hi)
+  return masked(s, *bounds_in)
 
 
 # exp2 on the FMA pipes (FlashAttention-4's trick, for Hopper's 16 MUFU operations per
