@@ -13,9 +13,9 @@ This script checks it on the H200 before any default changes:
     python3 -m benchmarks.experiments.three_wgs_bits --lower   # anywhere: lowers each arm
 
 For each case (MHA at depth 128, the depth three warpgroups fit with 128-key tiles: every
-mask, GQA, cached prefixes, a paged cache read in place, LSE and sinks), the same inputs
-run with ``MosaicConfig(compute_wgs=2)`` and ``compute_wgs=3``, both with
-``row_sum_first``, ``q_per_tile`` and ``column_mask`` on; both are checked against the
+mask, GQA, cached prefixes, a paged cache read in place, LSE and sinks, a soft cap,
+float16), the same inputs run with ``MosaicConfig(compute_wgs=2)`` and ``compute_wgs=3``,
+both with ``row_sum_first``, ``q_per_tile`` and ``column_mask`` on; both are checked against the
 float32 reference (``tests.cases.check_outputs``) and compared bit for bit. Prints a
 line per case, exits 1 if any case differs or fails; DIR/three_wgs_bits.json has the
 lines.
@@ -50,6 +50,8 @@ def case_list():
       r(long, kv_lens=(5000, 1500, 900, 4000, 129, 2049)),  # cached prefixes
       r(long, kv_lens=(5000, 1500, 900, 4000, 129, 2049), page_size=64),
       r(long, heads=8, kv_heads=1),  # MQA
+      r(long, soft_cap=30.0, sink=True),
+      r(long, dtype="float16"),
   ]
 
 
