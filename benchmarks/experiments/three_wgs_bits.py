@@ -15,8 +15,8 @@ This script checks it on the H200 before any default changes:
 For each case (MHA at depth 128, the depth three warpgroups fit with 128-key tiles: every
 mask, GQA, cached prefixes, a paged cache read in place, LSE and sinks, a soft cap,
 float16), the same inputs run with ``MosaicConfig(compute_wgs=2)`` and ``compute_wgs=3``,
-both with ``row_sum_first``, ``q_per_tile`` and ``column_mask`` on; both are checked against the
-float32 reference (``tests.cases.check_outputs``) and compared bit for bit. Prints a
+both with ``row_sum_first``, ``q_per_tile`` and ``column_mask`` on; both are checked
+against the float32 reference (``tests.cases.check_outputs``) and compared bit for bit. Prints a
 line per case, exits 1 if any case differs or fails; DIR/three_wgs_bits.json has the
 lines.
 """
