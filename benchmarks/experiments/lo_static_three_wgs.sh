@@ -7,8 +7,8 @@
 # skewed and equal ones. PART=b: the GPU tests of the column mask (MosaicOptions.
 # column_lo_static among their arms) and of the default's warpgroups across
 # max_prompt_len, then column_lo_static on against off on MHA and MLA short64 and MHA
-# chunked8x512_page64, where the column mask is the default. Results in $OUT (or
-# ./h200-out).
+# chunked8x512_page64, where the column mask is the default; a first call's steps
+# (experiments.lowering_time --device). Results in $OUT (or ./h200-out).
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -39,4 +39,7 @@ else
     --kernels mha --systems pallas_prefill_mosaic --workloads short64 chunked8x512_page64
   arms lo_mla 70 --arm lo column_lo_static=True --arm base column_lo_static=False \
     --kernels mla --systems pallas_prefill_mosaic --workloads short64
+  timeout 90 python3 -m benchmarks.experiments.lowering_time --device --repeats 2 \
+    > "$out/first_call.log" 2>&1
+  echo "== first call's steps (rc $?)"; grep "^|" "$out/first_call.log"
 fi
