@@ -66,7 +66,8 @@ def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads,
     given = [n for n, s in (("q_scale", q_scale), ("k_scale", k_scale),
                             ("v_scale", v_scale)) if s is not None]
     if given:
-      raise ValueError(f"{', '.join(given)} apply to FP8 inputs only; {q_name}, {k_name}, "
+      verb = "applies" if len(given) == 1 else "apply"
+      raise ValueError(f"{', '.join(given)} {verb} to FP8 inputs only; {q_name}, {k_name}, "
                        f"{v_name} are {q.dtype}")
     return None
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):

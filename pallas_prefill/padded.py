@@ -182,6 +182,12 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
                     f"{padding_segment_id!r}")
   if padding_segment_id is not None and not -2**31 <= padding_segment_id < 2**31:
     raise ValueError(f"padding_segment_id must fit in int32, got {padding_segment_id!r}")
+  for name, ids in (("segment_ids (queries)", q_ids), ("segment_ids (keys/values)", kv_ids)):
+    info = np.iinfo(ids.dtype)
+    if padding_segment_id is not None and not info.min <= padding_segment_id <= info.max:
+      raise ValueError(f"padding_segment_id {padding_segment_id} is not a value of {name}'s "
+                       f"dtype {ids.dtype} ([{info.min}, {info.max}]): no token would be "
+                       "padding")
   concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
   names = ("segment_ids (queries)", "segment_ids (keys/values)")
   needed = {name: _runs_needed(ids, padding_segment_id)  # counted once, used twice

@@ -1098,7 +1098,9 @@ ERRORS = [
     (dict(kv_dtype=jnp.bfloat16, q_scale=None, k_scale=None, v_scale=None), TypeError,
      "FP8 q(uery)? needs FP8"),
     (dict(q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, q_scale=None, v_scale=None),
-     ValueError, "k_scale apply to FP8 inputs only"),
+     ValueError, "k_scale applies to FP8 inputs only"),
+    (dict(q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, q_scale=None),
+     ValueError, "k_scale, v_scale apply to FP8 inputs only"),
 ]
 
 

@@ -394,6 +394,10 @@ ERRORS = [
      r"local_window_size must be below 2\*\*30 on each side"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.int32), padding_segment_id=2**40), ValueError,
      "padding_segment_id must fit in int32"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.int8), padding_segment_id=1000), ValueError,
+     r"padding_segment_id 1000 is not a value of segment_ids \(queries\)'s dtype int8"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.uint32), padding_segment_id=-1), ValueError,
+     "padding_segment_id -1 is not a value of .* uint32"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.int32), max_segments=20_000), ValueError,
      r"batch \(2\) x 40001 ragged sequences per row \(max_segments = 20000\) must be at "
      r"most 65535"),
