@@ -173,8 +173,9 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
       raise ValueError(f"one segment_ids array needs query and key/value of one length; "
                        f"got {t} and {s}: pass a (q_ids, kv_ids) pair")
     q_ids = kv_ids = segment_ids
-  _check_ids("segment_ids (queries)", q_ids, batch, t)
-  _check_ids("segment_ids (keys/values)", kv_ids, batch, s)
+  names = ("segment_ids (queries)", "segment_ids (keys/values)")
+  _check_ids(names[0], q_ids, batch, t)
+  _check_ids(names[1], kv_ids, batch, s)
   if padding_segment_id is not None and (
       isinstance(padding_segment_id, bool)
       or not isinstance(padding_segment_id, (int, np.integer))):
@@ -182,14 +183,13 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
                     f"{padding_segment_id!r}")
   if padding_segment_id is not None and not -2**31 <= padding_segment_id < 2**31:
     raise ValueError(f"padding_segment_id must fit in int32, got {padding_segment_id!r}")
-  for name, ids in (("segment_ids (queries)", q_ids), ("segment_ids (keys/values)", kv_ids)):
+  for name, ids in zip(names, (q_ids, kv_ids)):
     info = np.iinfo(ids.dtype)
     if padding_segment_id is not None and not info.min <= padding_segment_id <= info.max:
       raise ValueError(f"padding_segment_id {padding_segment_id} is not a value of {name}'s "
                        f"dtype {ids.dtype} ([{info.min}, {info.max}]): no token would be "
                        "padding")
   concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
-  names = ("segment_ids (queries)", "segment_ids (keys/values)")
   needed = {name: _runs_needed(ids, padding_segment_id)  # counted once, used twice
             for name, ids in zip(names, (q_ids, kv_ids))} if concrete else {}
   if max_segments is None:
