@@ -27,6 +27,8 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import use_abstract_mesh
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,8 +61,6 @@ def first_call_steps(fn, args, total_q):
   """Seconds to trace, lower, compile, run once and run again ``fn`` on the default device
   (``args`` abstract: arrays made for them, the offsets over ``total_q`` rows), caches
   cleared first."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
 
   def make(spec):

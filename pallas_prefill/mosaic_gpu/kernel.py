@@ -77,8 +77,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 from pallas_prefill import masks
+from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
