@@ -200,10 +200,11 @@ def parse_mosaic_options(settings) -> dict:
   return options
 
 
-def mosaic_config(options, problem: Problem) -> pp.MosaicConfig | None:
+def mosaic_config(options, problem: Problem, soft_cap=False) -> pp.MosaicConfig | None:
   """The config the Mosaic GPU system passes for ``options`` (``parse_mosaic_options``):
   None, the entry point's own default, when there are none; else the default for the call
-  (``default_mosaic_config`` of q's and V's depths, dtype, mask and longest prompt; the
+  (``default_mosaic_config`` of q's and V's depths, dtype, mask, longest prompt and
+  whether the call caps its logits (``soft_cap``); the
   harness's depths are powers of two, so q's is its padded one: MLA's 128 + 64 = 192) with
   the given fields of it and of its options replaced (the others as the default call has
   them: ``column_mask`` is on for short prompts)."""
@@ -212,7 +213,7 @@ def mosaic_config(options, problem: Problem) -> pp.MosaicConfig | None:
   config_fields, option_fields = _split_mosaic_options(options)
   w = problem.workload
   base = config_lib.default_mosaic_config(problem.q.shape[-1], problem.kv[-1].shape[-1],
-                                          problem.q.dtype, w.mask, w.max_len)
+                                          problem.q.dtype, w.mask, w.max_len, soft_cap)
   return dataclasses.replace(base, **config_fields,
                              options=dataclasses.replace(base.options, **option_fields))
 
@@ -274,7 +275,7 @@ def pallas_prefill_softcap(problems, mosaic_options=None):
   _unpaged_self_attention(problems, "the soft-cap comparison")
   cap = SOFT_CAP
   prepared = _pallas(problems, paged=False, backend=None, logits_soft_cap=cap,
-                     config=mosaic_config(mosaic_options, p0))
+                     config=mosaic_config(mosaic_options, p0, soft_cap=True))
   return dataclasses.replace(prepared, auto_backend=True,
                              reference=lambda: reference(p0, logits_soft_cap=cap))
 

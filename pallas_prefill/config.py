@@ -165,8 +165,9 @@ class MosaicOptions:
       compared with the row's upper bound only: one compare and one AND fewer per masked
       score (about 64 of a masked tile's 294 instructions between the Q.K wait and the
       first exp2 on the H200's MHA kernel). The same scores hidden, so the same bits.
-      Off by default: not yet measured on the H200 (BUILD_NOTES.md, thirty-third
-      session).
+      Off in ``MosaicOptions()``; ``config=None`` turns it on with the short prompts'
+      column mask (on the H100 1.024x on MHA short64, 1.013x on MLA's, 1.002x on MHA
+      chunked8x512_page64: BUILD_NOTES.md, thirty-fourth session).
   """
 
   dynamic: bool = True
@@ -244,8 +245,10 @@ class MosaicConfig:
       rows of the program's work item (``compute_wgs * block_q`` rows). Three put three
       softmax chains on each warp scheduler instead of two, for 160 registers a compute
       thread instead of 232 (and 32 for the producer: the 64K of an SM); not with
-      ``split_units``. ``config=None`` picks 3 for FP8 at depth 128 (on the H200 1.02x
-      to 1.07x two); bf16's kernel spills registers at 160 (0.5x two).
+      ``split_units``. ``config=None`` picks 3 at depth 128 for FP8 and for bf16/float16's
+      long prompts (``default_mosaic_config``). Three want ``MosaicOptions``' register
+      cuts (``row_sum_first``, ``q_per_tile``, ``column_mask``) in bf16, whose kernel
+      otherwise spills registers at 160 (0.5x two).
   """
 
   block_q: int = 64
@@ -325,29 +328,59 @@ def _length_free_entry(tables, qk_depth, v_depth, dtype, mask):
 
 
 def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
-                          max_prompt_len: int) -> MosaicConfig:
+                          max_prompt_len: int, soft_cap: bool = False) -> MosaicConfig:
   """The Mosaic GPU configuration ``config=None`` uses. Its tiles are the same for every
   ``max_prompt_len`` (batch invariance: ``_length_free_entry``): the tuned entry for the
   device, else 128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows
-  of K and V would not fit shared memory twice over (MLA's 192 + 128). FP8 (e4m3) at
-  depth 128 (MHA's) runs three compute warpgroups (``MosaicConfig.compute_wgs``): on the
-  H200 1.02x-1.07x two on the harness's MHA workloads; MLA's 192 + 128 (0.95x-1.00x)
-  and bf16 (whose kernel spills at 160 registers a thread: 0.5x) keep two.
+  of K and V would not fit shared memory twice over (MLA's 192 + 128).
+
+  Compute warpgroups (``MosaicConfig.compute_wgs``): FP8 (e4m3) at depth 128 (MHA's)
+  runs three (on the H200 1.02x-1.07x two on the harness's MHA workloads). bf16/float16
+  at depth 128 runs three, with ``MosaicOptions``' register cuts, for long prompts
+  (``max_prompt_len > THREE_WGS_MIN_PROMPT``: 1.03x two on MHA long16384 on the H200
+  and the H100), and with a soft cap (``soft_cap``, a call's ``logits_soft_cap``) above
+  ``COLUMN_MASK_MAX_PROMPT`` (1.07x-1.09x on MHA equal4x4096 on the H100, level on
+  skew16_16k), where a third softmax chain per warp scheduler hides more of the cap's
+  tanh; two elsewhere (three lose on short prompts: 0.85x-0.93x). Both counts sum a
+  row's scores the same way (``MosaicOptions.row_sum_first``, on at every length there),
+  so a row's output bits do not depend on the batch's longest prompt (``tests/test_gpu.py``).
+  MLA's 192 + 128 keeps two (0.95x-1.00x in FP8).
 
   Short prompts (``max_prompt_len <= COLUMN_MASK_MAX_PROMPT``) mask their tiles by
   columns (``MosaicOptions.column_mask``), which hides the same scores as the position
   test and so changes no output bit (``tests/test_gpu.py``): on the H200 1.05x on MHA
   short64, where most tiles are masked, 1.04x on MLA's and 1.09x on FP8's, against
-  0.97x-0.99x on MHA's long prompts (BUILD_NOTES.md, thirty-first session)."""
+  0.97x-0.99x on MHA's long prompts (BUILD_NOTES.md, thirty-first session); with the
+  lower compare dropped where the mask allows (``MosaicOptions.column_lo_static``, the
+  same bits again: 1.02x more on MHA short64 on the H100)."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
+  if _three_for_long(qk_depth, v_depth, dtype, config):
+    # Two warpgroups and three give a row the same bits only with the sums first in both.
+    config = dataclasses.replace(config, options=dataclasses.replace(
+        config.options, row_sum_first=True))
+    if max_prompt_len > (COLUMN_MASK_MAX_PROMPT if soft_cap else THREE_WGS_MIN_PROMPT):
+      config = dataclasses.replace(config, compute_wgs=3, options=dataclasses.replace(
+          config.options, q_per_tile=True, column_mask=True))
   if max_prompt_len <= COLUMN_MASK_MAX_PROMPT:
-    config = dataclasses.replace(
-        config, options=dataclasses.replace(config.options, column_mask=True))
+    config = dataclasses.replace(config, options=dataclasses.replace(
+        config.options, column_mask=True, column_lo_static=True))
   return config
 
 
 # ``default_mosaic_config`` masks by columns up to this max_prompt_len.
 COLUMN_MASK_MAX_PROMPT = LONG_PROMPT
+
+# ``default_mosaic_config`` runs bf16/float16 at depth 128 on three compute warpgroups
+# above this max_prompt_len (with a soft cap, above ``COLUMN_MASK_MAX_PROMPT``).
+THREE_WGS_MIN_PROMPT = 8192
+
+
+def _three_for_long(qk_depth: int, v_depth: int, dtype, config: MosaicConfig) -> bool:
+  """Whether ``default_mosaic_config`` runs three compute warpgroups for long prompts:
+  bf16/float16 at depth 128 on 128-key tiles in two stages (the shared memory three fit
+  in), where the register cuts leave the tile loops spill-free."""
+  return (not is_fp8(dtype) and qk_depth == v_depth == 128 and config.compute_wgs == 2
+          and config.block_kv == 128 and config.num_stages == 2 and not config.split_units)
 
 
 def _default_tiles(qk_depth: int, v_depth: int, dtype, mask) -> MosaicConfig:

@@ -70,7 +70,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
                     return_lse)
   v = pad_depth(v, padded_depth(v_depth))
   mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
-                                 max_prompt_len, config, interpret, q_dtype=q_ops[0].dtype)
+                                 max_prompt_len, config, interpret, q_dtype=q_ops[0].dtype,
+                                 soft_cap=logits_soft_cap is not None)
   kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
             paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:
@@ -90,7 +91,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
 
 
 def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
-                   config, interpret, q_dtype=None) -> MosaicConfig | None:
+                   config, interpret, q_dtype=None, soft_cap=False) -> MosaicConfig | None:
   """The Mosaic GPU config to run with, or None for the Triton kernel.
 
   "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
@@ -99,7 +100,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   unless the tuned table for the device measured Triton faster there
   (``config.prefers_triton``) or the config is an ``MhaConfig``; a ``MosaicConfig`` picks
   Mosaic GPU as "mosaic_gpu" does (refusing what it cannot serve). Triton otherwise:
-  other GPUs, what Mosaic GPU refuses, and interpret mode.
+  other GPUs, what Mosaic GPU refuses, and interpret mode. ``soft_cap``: whether the
+  call caps its logits (``config.default_mosaic_config``'s warpgroups depend on it).
   """
   if backend == "triton":
     return None
@@ -113,8 +115,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
     mosaic_config = config
   else:
     mosaic_config = mosaic_gpu.fitted(
-        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len), parts,
-        v.shape[-1], v.dtype, output_dtype, return_lse)
+        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len, soft_cap),
+        parts, v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
                                          return_lse, mosaic_config, q_dtype=q_dtype)
   if backend == "mosaic_gpu" or isinstance(config, MosaicConfig):

@@ -408,9 +408,12 @@ def test_profile_runs_one_call(monkeypatch, capsys):
                 "--mosaic-options", "dynamic=False"])
   assert len(calls) == 4  # three to compile and warm up, one profiled
   [(backend, config)] = seen  # traced once
-  # (tiny's prompts are short: config=None's column mask with them)
-  assert backend == "mosaic_gpu" and config.options == pp.MosaicOptions(dynamic=False,
-                                                                        column_mask=True)
+  # (the options config=None has for tiny's short prompts, dynamic replaced)
+  w = wl.WORKLOADS["tiny"]
+  default = config_lib.default_mosaic_config(128, 128, "bfloat16", w.mask, w.max_len)
+  assert default.options.column_mask and default.options.dynamic
+  assert backend == "mosaic_gpu" and config.options == dataclasses.replace(
+      default.options, dynamic=False)
   assert ("unprofiled) one call: mha tiny pallas_prefill_mosaic {'dynamic': False}"
           in capsys.readouterr().out)
   with pytest.raises(SystemExit):  # not an option

@@ -338,17 +338,51 @@ def test_mosaic_column_mask_changes_no_bit(case):
 def test_rows_do_not_depend_on_max_prompt_len(kind, backend):
   """max_prompt_len on either side of the tuned tables' long-prompt bound
   (``config.LONG_PROMPT``; MLA's entries differ in block_q, not in block_kv), which on
-  Mosaic GPU is also the default's column mask's (``COLUMN_MASK_MAX_PROMPT``): bitwise
-  the same rows."""
+  Mosaic GPU is also the default's column mask's (``COLUMN_MASK_MAX_PROMPT``), and past
+  its three compute warpgroups' (``THREE_WGS_MIN_PROMPT``): bitwise the same rows."""
   case = _INVARIANT if kind == "mha" else INVARIANCE_GPU_CASES[5]
   case = dataclasses.replace(case, lens=(600, 37, 1), kv_lens=None)
   entry, _ = cases.ENTRY_POINTS[case.kind]
   args, kwargs, rows = cases.make_inputs(case, seed := cases.fresh_seed())
   rows = slice(0, rows)
-  short, long = (cases.rows_bits(entry(*args, interpret=False, backend=backend,
-                                  **dict(kwargs, max_prompt_len=n)), rows)
-                 for n in (700, 4096))
-  for a, b, what in zip(short, long, ("output", "LSE")):
+  short, *longer = (cases.rows_bits(entry(*args, interpret=False, backend=backend,
+                                     **dict(kwargs, max_prompt_len=n)), rows)
+                    for n in (700, 4096, 16384))
+  for n, bits in zip((4096, 16384), longer):
+    for a, b, what in zip(short, bits, ("output", "LSE")):
+      np.testing.assert_array_equal(a, b, err_msg=f"{what}, {n}, seed={seed}")
+
+
+@pytest.mark.parametrize("case", [c for c in INVARIANCE_GPU_CASES if c.kind == "mha"] + [
+    # prompts within the soft cap's bound, its call with two warpgroups
+    dataclasses.replace(_INVARIANT, soft_cap=30.0, sink=True, lens=(1000, 37, 600, 1)),
+    dataclasses.replace(_INVARIANT, dtype="float16", kv_heads=1)], ids=lambda c: c.name)
+def test_mosaic_three_wgs_change_no_bit(case):
+  """``config=None`` runs bf16/float16 at depth 128 on three compute warpgroups for
+  max_prompt_len above ``config.THREE_WGS_MIN_PROMPT`` (with a soft cap, above
+  ``COLUMN_MASK_MAX_PROMPT``) and on two up to it: a row's output and LSE bits are the
+  same either way (each warpgroup has the same 64 rows, KV tiles and operations, with
+  ``row_sum_first`` on in both), on every mask, cached prefixes, paged caches read in
+  place and gathered, a soft cap and float16; both calls checked against the
+  reference."""
+  from pallas_prefill import config as config_lib  # pylint: disable=g-import-not-at-top
+  seed = cases.fresh_seed()
+  entry, reference = cases.ENTRY_POINTS[case.kind]
+  args, kwargs, rows = cases.placed_inputs(case, seed, 0)
+  capped = case.soft_cap is not None
+  bound = config_lib.COLUMN_MASK_MAX_PROMPT if capped else config_lib.THREE_WGS_MIN_PROMPT
+  bits = []
+  for n, wgs in ((bound, 2), (16384, 3)):
+    assert config_lib.default_mosaic_config(
+        case.head_dim, case.head_dim, jnp.dtype(case.dtype), case.mask, n,
+        capped).compute_wgs == wgs
+    poison_device_memory()
+    result = entry(*args, interpret=False, backend="mosaic_gpu",
+                   **dict(kwargs, max_prompt_len=n))
+    cases.check_outputs(case, result, reference(*args, **kwargs),
+                        int(np.asarray(args[-1])[-1]), seed)
+    bits.append(cases.rows_bits(result, rows))
+  for a, b, what in zip(*bits, ("output", "LSE")):
     np.testing.assert_array_equal(a, b, err_msg=f"{what}, seed={seed}")
 
 

@@ -804,20 +804,37 @@ def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
   backend (either would change a sequence's output bits), on the H200 where the tuned
   tables' short and long entries differ (MLA's KV tiles, MHA's verdict at depth 64). It
   picks only the column mask, which changes no bit (``test_gpu``'s
-  test_mosaic_column_mask_changes_no_bit): on up to ``COLUMN_MASK_MAX_PROMPT``."""
+  test_mosaic_column_mask_changes_no_bit): on up to ``COLUMN_MASK_MAX_PROMPT``, with its
+  lower compare dropped where the mask allows (``column_lo_static``); and for
+  bf16/float16 at depth 128 three compute warpgroups above ``THREE_WGS_MIN_PROMPT``, or
+  with a soft cap above ``COLUMN_MASK_MAX_PROMPT`` (with ``q_per_tile``, the column mask
+  and, at every length, ``row_sum_first``), which give a row the same bits as two
+  (``test_gpu``'s test_mosaic_three_wgs_change_no_bit)."""
   from tests.test_lowering import H200_MESH  # pylint: disable=g-import-not-at-top
-  bound = config_lib.COLUMN_MASK_MAX_PROMPT
+  bound, three = config_lib.COLUMN_MASK_MAX_PROMPT, config_lib.THREE_WGS_MIN_PROMPT
+  lengths = (64, bound, bound + 1, 4096, three, three + 1, 16384)
   with jax.sharding.use_abstract_mesh(H200_MESH):
     assert config_lib.device_kind() in config_lib.TUNED_MOSAIC
     for qk, v in ((64, 64), (128, 128), (192, 128), (256, 256)):
       for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
-        configs = [config_lib.default_mosaic_config(qk, v, dtype, mask, n)
-                   for n in (64, bound, bound + 1, 4096)]
-        assert [c.options.column_mask for c in configs] == [True, True, False, False]
-        calls = [(dataclasses.replace(c, options=dataclasses.replace(
-            c.options, column_mask=False)), config_lib.prefers_triton(qk, v, dtype, mask, n))
-                 for c, n in zip(configs, (64, bound, bound + 1, 4096))]
-        assert all(c == calls[0] for c in calls), (qk, v, dtype, calls)
+        for capped in (False, True):
+          configs = [config_lib.default_mosaic_config(qk, v, dtype, mask, n, capped)
+                     for n in lengths]
+          wgs3 = qk == v == 128 and dtype != jnp.float8_e4m3fn
+          # from which of the lengths on three warpgroups run
+          first3 = 2 if capped else 5
+          assert [c.options.column_mask for c in configs] == [True, True] + [
+              wgs3 and i >= first3 for i in range(2, 7)]
+          assert [c.compute_wgs for c in configs] == (
+              [2] * first3 + [3] * (7 - first3) if wgs3 else [configs[0].compute_wgs] * 7)
+          assert [c.options.column_lo_static for c in configs] == [True] * 2 + [False] * 5
+          assert all(c.options.row_sum_first == wgs3 for c in configs)
+          assert all(c.options.q_per_tile == (wgs3 and c.compute_wgs == 3) for c in configs)
+          calls = [(dataclasses.replace(c, compute_wgs=2, options=dataclasses.replace(
+              c.options, column_mask=False, q_per_tile=False, column_lo_static=False)),
+                    config_lib.prefers_triton(qk, v, dtype, mask, n))
+                   for c, n in zip(configs, lengths)]
+          assert all(c == calls[0] for c in calls), (qk, v, dtype, capped, calls)
 
 
 def test_fp8_at_depth_128_runs_three_compute_wgs_by_default():
@@ -830,6 +847,11 @@ def test_fp8_at_depth_128_runs_three_compute_wgs_by_default():
   assert config_lib.default_mosaic_config(192, 128, f8, causal, 4096).compute_wgs == 2
   assert config_lib.default_mosaic_config(64, 64, f8, causal, 4096).compute_wgs == 2
   assert config_lib.default_mosaic_config(128, 128, bf16, causal, 4096).compute_wgs == 2
+  assert config_lib.default_mosaic_config(128, 128, bf16, causal, 16384).compute_wgs == 3
+  assert config_lib.default_mosaic_config(128, 128, bf16, causal, 4096,
+                                          soft_cap=True).compute_wgs == 3
+  assert config_lib.default_mosaic_config(128, 128, bf16, causal, 1024,
+                                          soft_cap=True).compute_wgs == 2
   mha = [logits.QkPart(0, 0, 0, 0, 128)]
   assert mosaic_gpu.unsupported_reason(mha, 128, f8, jnp.float32, True, three) is None
   assert mosaic_gpu.fitted(three, mha, 128, f8, jnp.float32, True) == three
@@ -1107,6 +1129,23 @@ def test_poly_exp2_reaches_the_kernel_only_when_asked():
   marker = "sub.rn.f32 f, x, j"
   assert marker in Lowered(soft_cap=30.0, config=POLY(4)).lower().as_text()
   assert marker not in Lowered(soft_cap=30.0).lower().as_text()
+
+
+def test_soft_cap_reaches_the_default_config():
+  """The entry point tells ``default_mosaic_config`` of a soft cap: ``config=None`` with a
+  cap at max_prompt_len 4096 lowers as the capped default (three compute warpgroups),
+  not as the uncapped one (two)."""
+  from tests.test_lowering import H200_MESH  # pylint: disable=g-import-not-at-top
+  with jax.sharding.use_abstract_mesh(H200_MESH):
+    capped, plain = (config_lib.default_mosaic_config(128, 128, jnp.bfloat16,
+                                                      masks.CausalMask(), 4096, cap)
+                     for cap in (True, False))
+  assert (capped.compute_wgs, plain.compute_wgs) == (3, 2)
+  text = lambda config: Lowered(soft_cap=30.0, max_prompt_len=4096,  # noqa: E731
+                                config=config).lower().as_text()
+  default = text(None)
+  assert default == text(capped)
+  assert default != text(plain)
 
 
 def test_fixed_maximum_keeps_every_capped_exp2_in_range():

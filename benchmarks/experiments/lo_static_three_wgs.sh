@@ -8,7 +8,11 @@
 # column_lo_static among their arms) and of the default's warpgroups across
 # max_prompt_len, then column_lo_static on against off on MHA and MLA short64 and MHA
 # chunked8x512_page64, where the column mask is the default; a first call's steps
-# (experiments.lowering_time --device). Results in $OUT (or ./h200-out).
+# (experiments.lowering_time --device). PART=c (the thirty-fourth session): three
+# compute warpgroups against two on the soft-capped call and the uncapped one in the same
+# process: if the cap's cost is the MUFU's latency on each warp's chain (BUILD_NOTES,
+# issue 23), a third warpgroup hides more of it on the capped call. Results in $OUT (or
+# ./h200-out).
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -29,6 +33,10 @@ if [ "${PART:-a}" = a ]; then
     --systems pallas_prefill_mosaic --workloads long16384 sliding4x16384_w4096
   arms rs 170 --arm w2 --arm w2rs row_sum_first=True --kernels mha \
     --systems pallas_prefill_mosaic --workloads short64 skew16_16k equal4x4096
+elif [ "$PART" = c ]; then
+  arms cap 300 --arm w2 --arm w3 compute_wgs=3 row_sum_first=True q_per_tile=True \
+    column_mask=True --kernels mha --systems pallas_prefill_mosaic pallas_prefill_softcap \
+    --workloads equal4x4096 skew16_16k
 else
   XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py \
     -p no:cacheprovider -p no:benchmark -n 8 \
