@@ -354,7 +354,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   lower compare dropped where the mask allows (``MosaicOptions.column_lo_static``, the
   same bits again: 1.02x more on MHA short64 on the H100)."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
-  if _three_for_long(qk_depth, v_depth, dtype, config):
+  if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, row_sum_first=True))
@@ -375,9 +375,9 @@ COLUMN_MASK_MAX_PROMPT = LONG_PROMPT
 THREE_WGS_MIN_PROMPT = 8192
 
 
-def _three_for_long(qk_depth: int, v_depth: int, dtype, config: MosaicConfig) -> bool:
-  """Whether ``default_mosaic_config`` runs three compute warpgroups for long prompts:
-  bf16/float16 at depth 128 on 128-key tiles in two stages (the shared memory three fit
+def _three_wgs_serve(qk_depth: int, v_depth: int, dtype, config: MosaicConfig) -> bool:
+  """Whether ``default_mosaic_config`` may run three compute warpgroups (for long or
+  soft-capped prompts): bf16/float16 at depth 128 on 128-key tiles in two stages (the shared memory three fit
   in), where the register cuts leave the tile loops spill-free."""
   return (not is_fp8(dtype) and qk_depth == v_depth == 128 and config.compute_wgs == 2
           and config.block_kv == 128 and config.num_stages == 2 and not config.split_units)
