@@ -168,6 +168,12 @@ class MosaicOptions:
       Off in ``MosaicOptions()``; ``config=None`` turns it on with the short prompts'
       column mask (on the H100 1.024x on MHA short64, 1.013x on MLA's, 1.002x on MHA
       chunked8x512_page64: BUILD_NOTES.md, thirty-fourth session).
+    narrow_last_tile: a warpgroup's last KV tile of a unit, where its rows see none of
+      the tile's second half (the first warpgroup's causal diagonal tile, a sequence's
+      last keys), runs as a 64-key tile: Q.K, the softmax and P.V on the tile's first
+      half only (``kernel.narrow_last``). The hidden half adds exact zeros, so the same
+      output bits. bf16 and float16 with 128-key tiles (not FP8, not split units). Off
+      in ``MosaicOptions()`` (an experiment: BUILD_NOTES.md, thirty-fifth session).
   """
 
   dynamic: bool = True
@@ -190,13 +196,14 @@ class MosaicOptions:
   q_per_tile: bool = False
   column_mask: bool = False
   column_lo_static: bool = False
+  narrow_last_tile: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
                  "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask",
-                 "column_lo_static"):
+                 "column_lo_static", "narrow_last_tile"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

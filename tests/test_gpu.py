@@ -386,6 +386,42 @@ def test_mosaic_three_wgs_change_no_bit(case):
     np.testing.assert_array_equal(a, b, err_msg=f"{what}, seed={seed}")
 
 
+@pytest.mark.parametrize("case", INVARIANCE_GPU_CASES + [
+    dataclasses.replace(_INVARIANT, soft_cap=30.0, sink=True),
+    dataclasses.replace(_INVARIANT, dtype="float16", kv_heads=1)], ids=lambda c: c.name)
+def test_mosaic_narrow_last_tile_changes_no_bit(case):
+  """``MosaicOptions.narrow_last_tile`` (a warpgroup's last KV tile as its first 64 keys
+  where its rows see no later key) changes no bit of any row's output or LSE: the
+  default config of max_prompt_len 1024 (the column mask), 4096 (the position test) and
+  16384 (three compute warpgroups) with the option off and on, every mask, cached
+  prefixes, MLA, paged caches read in place and gathered, a soft cap and float16; each
+  call with it on checked against the reference."""
+  from pallas_prefill import config as config_lib, logits  # pylint: disable=g-import-not-at-top
+  seed = cases.fresh_seed()
+  entry, reference = cases.ENTRY_POINTS[case.kind]
+  args, kwargs, rows = cases.placed_inputs(case, seed, 0)
+  pad = logits.padded_depth
+  qk = pad(case.head_dim) + (pad(case.rope_dim) if case.kind == "mla" else 0)
+  expected = reference(*args, **kwargs)
+  for n in (1024, 4096, 16384):
+    base = config_lib.default_mosaic_config(qk, pad(case.head_dim_v or case.head_dim),
+                                            jnp.dtype(case.dtype), case.mask, n,
+                                            case.soft_cap is not None)
+    bits = []
+    for on in (False, True):
+      config = dataclasses.replace(base, options=dataclasses.replace(
+          base.options, narrow_last_tile=on))
+      poison_device_memory()
+      result = entry(*args, interpret=False, backend="mosaic_gpu", config=config,
+                     **dict(kwargs, max_prompt_len=n))
+      if on:
+        cases.check_outputs(case, result, expected, int(np.asarray(args[-1])[-1]), seed)
+      bits.append(cases.rows_bits(result, rows))
+    for a, b, what in zip(*bits, ("output", "LSE")):
+      np.testing.assert_array_equal(a, b, err_msg=f"{what}, max_prompt_len {n}, "
+                                                  f"seed={seed}")
+
+
 # --------------------------------------------------------------------------------------
 # dot_product_attention (issue 23): padded batches, both backends compiled.
 

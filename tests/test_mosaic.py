@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,12 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
           # MosaicOptions.column_lo_static's test: the upper bound alone
           np.testing.assert_array_equal(np.broadcast_to(columns < hi, vis.shape), vis,
                                         err_msg=f"column_lo_static: item {t} tile {i}")
+        if i == t_hi - 1 and u_hi < t_hi and bool(mosaic_kernel.narrow_last(
+            types.SimpleNamespace(mask=mask, block_q=bq, block_kv=bkv, kv_unit=unit["unit"]),
+            types.SimpleNamespace(kv_row=kv_row, kv_last=kv_last, t_hi=t_hi,
+                                  kv_start=kv_start, kv_len=kv_len, row_pos=row_pos))):
+          # MosaicOptions.narrow_last_tile: the tile's second half hides every key
+          assert not vis[stored, bkv // 2:].any(), f"narrow_last: item {t} tile {i}"
         vt = _v_tile_as_loaded(tile(v, kvh), native is not None, align, i, start, kv_len,
                                kv_end)
         s = np.where(vis, s, -np.inf)
@@ -1282,6 +1289,27 @@ def test_column_lo_static_drops_the_lower_compare(mask, dropped):
       c.options, batch_invariant=False))
   assert (text(LO_STATIC(2)) != text(REGISTERS(2))) == dropped
   assert text(aligned(LO_STATIC(2))) == text(aligned(REGISTERS(2)))
+
+
+def test_narrow_last_holds_where_a_half_tile_is_enough():
+  """``kernel.narrow_last`` (``MosaicOptions.narrow_last_tile``): on a causal sequence
+  of 300 tokens with tiles at its first key, the item's first warpgroup (rows 0-63)
+  sees keys 0-63 of its last tile (tile 0), narrow; the second (rows 64-127) keys up to
+  127, not; the third item's (rows 256-299) last tile 2 holds keys 256-299, narrow. A
+  null mask's last tile is narrow where the sequence's keys end in its first half; rows
+  starting one later (the last row seeing 65 keys) are not. The
+  emulated schedule (``emulate``) asserts on every case that a narrow tile's second half
+  hides every key of the rows stored."""
+  spec = lambda mask: types.SimpleNamespace(  # noqa: E731
+      mask=mask, block_q=64, block_kv=128, kv_unit=1)
+  item = lambda row_pos, t_hi, kv_len=300: types.SimpleNamespace(  # noqa: E731
+      kv_row=0, kv_last=10**6, t_hi=t_hi, kv_start=0, kv_len=kv_len, row_pos=row_pos)
+  causal, null = spec(masks.CausalMask()), spec(masks.NullMask())
+  narrow = lambda s, i: bool(mosaic_kernel.narrow_last(s, i))  # noqa: E731
+  assert narrow(causal, item(0, 1)) and not narrow(causal, item(64, 1))
+  assert narrow(causal, item(256, 3)) and not narrow(causal, item(192, 2))
+  assert narrow(null, item(0, 3)) and not narrow(null, item(0, 3, kv_len=321))
+  assert not narrow(causal, item(1, 1))  # its last row sees 65 keys
 
 
 def test_column_lo_static_needs_tiles_at_the_first_key():

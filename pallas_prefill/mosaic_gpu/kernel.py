@@ -148,7 +148,8 @@ class KernelSpec:
   warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
-  warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``).
+  warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``);
+  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``).
   """
 
   parts: tuple
@@ -186,6 +187,15 @@ class KernelSpec:
   q_per_tile: bool = False
   column_mask: bool = False
   column_lo_static: bool = False
+  narrow_last_tile: bool = False
+
+  @property
+  def narrow_tiles(self) -> bool:
+    """Whether a unit's last KV tile may run as its first half (``narrow_last``):
+    ``MosaicOptions.narrow_last_tile``, for bf16 and float16 with 128-key tiles shared
+    by the warpgroups' turns (FP8's P.V reads V^T, whose keys are its minor dimension)."""
+    return (self.narrow_last_tile and not self.fp8 and not self.split
+            and self.block_kv == 2 * L.CHUNK)
 
   @property
   def column_lo_dropped(self) -> bool:
@@ -669,18 +679,43 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_tiles, p_smem):
     plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
     return carry
 
-  def step(i, carry, *, masked):
+  def step(i, carry, *, masked, width=None):
     return attend_tile(spec, scratch, turns, item, q_tiles(), p_smem, i, slot, carry,
-                       masked=masked)
+                       masked=masked, width=width)
 
   masked_step = functools.partial(step, masked=True)
   lax.fori_loop(item.item_lo, item.t_lo, skip, None)
   carry = (acc, m_i, l_i)
   carry = lax.fori_loop(item.t_lo, item.u_lo, masked_step, carry)
   carry = lax.fori_loop(item.u_lo, item.u_hi, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(item.u_hi, item.t_hi, masked_step, carry)
+  if spec.narrow_tiles:
+    # The last masked tile (if there is one) as its first half where that holds every
+    # key this warpgroup's rows see there: loops of zero or one trip, not a branch.
+    last = jnp.maximum(item.t_hi - 1, item.u_hi)
+    carry = lax.fori_loop(item.u_hi, last, masked_step, carry)
+    narrow = jnp.where(narrow_last(spec, item), item.t_hi - last, 0)
+    half = spec.block_kv // 2
+    carry = lax.fori_loop(last, last + narrow,
+                          functools.partial(step, masked=True, width=half), carry)
+    carry = lax.fori_loop(last + narrow, item.t_hi, masked_step, carry)
+  else:
+    carry = lax.fori_loop(item.u_hi, item.t_hi, masked_step, carry)
   lax.fori_loop(item.t_hi, item.item_hi, skip, None)
   return carry
+
+
+def narrow_last(spec, item: Item):
+  """Whether the warpgroup's rows see no key in the second half of its last KV tile
+  (t_hi - 1): the keys its last row sees end (``masks``' ``key_range``, whose end grows
+  with the query's position, so the other rows' end no later) within ``block_kv / 2``
+  keys of the tile's first.
+  Rows of a neighbour in the warpgroup's tile are not stored, so what they see does not
+  matter. The tile's second half then adds exact zeros to the row sums and to P.V, so
+  running its first half alone changes no bit (``MosaicOptions.narrow_last_tile``)."""
+  unit = dict(block_kv=spec.block_kv, unit=spec.kv_unit)
+  k0 = tile_first_row(item.kv_row, item.kv_last, item.t_hi - 1, **unit) - item.kv_start
+  _, hi = spec.mask.key_range(item.row_pos + spec.block_q - 1)  # (the last row's)
+  return jnp.minimum(hi, item.kv_len) - k0 <= spec.block_kv // 2
 
 
 def initial_rows(spec, refs, h):
@@ -712,20 +747,26 @@ def zero_chunk(spec):
 
 
 def attend_tile(spec, scratch, turns, item: Item, q_smem, p_smem, i, slot, carry, *,
-                masked):
+                masked, width=None):
   """KV tile i of the online softmax: (acc, m, l) -> (acc, m, l); slot(i) is its K/V
-  slot."""
+  slot. width: the tile's first ``width`` keys only (``narrow_last``), else all."""
   acc, m_i, l_i = carry
-  s = qk_scores(spec, scratch, turns, q_smem, i, slot)
+  s = qk_scores(spec, scratch, turns, q_smem, i, slot, width=width)
   s, fold = scaled_scores(spec, item, s)
   if masked:
     s = mask_scores(spec, item, i, s)
   acc, l_i, m_new, p = online_softmax(spec, s, acc, m_i, l_i, fold=fold)
   if spec.fp8:
+    assert width is None, width  # (``KernelSpec.narrow_tiles``)
     acc, l_i, m_new = pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem)
   else:
-    acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p)
+    acc, l_i, m_new = pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, width=width)
   return acc, m_new, l_i
+
+
+def first_keys(buf, width):
+  """A K/V slot's first ``width`` rows (all where width is None)."""
+  return buf if width is None else buf.at[pl.ds(0, width)]
 
 
 def scaled_scores(spec, item: Item, s):
@@ -758,18 +799,18 @@ def scaled_scores(spec, item: Item, s):
   return s, None
 
 
-def qk_scores(spec, scratch, turns, q_smem, i, slot):
-  """S = Q.K^T of KV tile i (float32 [block_q, block_kv], unscaled), one matrix product
-  per 64-column chunk; releases its K slot."""
+def qk_scores(spec, scratch, turns, q_smem, i, slot, width=None):
+  """S = Q.K^T of KV tile i (float32 [block_q, block_kv], or its first ``width``
+  columns, unscaled), one matrix product per 64-column chunk; releases its K slot."""
   plgpu.barrier_wait(scratch.k_loaded.at[slot(i)])
 
   def qk(acc_ref):
     for qs, (_, ks) in zip(q_smem, scratch.k):
-      plgpu.wgmma(acc_ref, qs, ks.at[slot(i)].transpose((1, 0)))
+      plgpu.wgmma(acc_ref, qs, first_keys(ks.at[slot(i)], width).transpose((1, 0)))
     turns.qk_issued()
     return acc_ref[...]
 
-  s = pl.run_scoped(qk, plgpu.ACC((spec.block_q, spec.block_kv), jnp.float32))
+  s = pl.run_scoped(qk, plgpu.ACC((spec.block_q, width or spec.block_kv), jnp.float32))
   plgpu.barrier_arrive(scratch.k_consumed.at[slot(i)])
   return s
 
@@ -791,7 +832,7 @@ def mask_scores(spec, item: Item, i, s):
     lo, hi = visible_columns(spec.mask, q_pos, k0, i, item.kv_row, item.kv_start,
                              item.kv_len, **unit)
     return primitives.mask_columns(s, None if spec.column_lo_dropped else lo, hi)
-  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (spec.block_q, spec.block_kv),
+  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, s.shape,
                            layout=plgpu.Layout.WGMMA)
   visible = visible_keys(spec.mask, item.row_pos + iota(0), k0 + iota(1), i, item.kv_row,
                          item.kv_start, item.kv_len, **unit)
@@ -871,13 +912,14 @@ def pv_fp8(spec, scratch, turns, i, slot, acc, l_i, m_new, p, p_smem):
   return acc, l_i, m_new
 
 
-def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p):
+def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p, width=None):
   """acc += P.V of KV tile i (P float32, converted to the input dtype here), one product
   per 64 columns of V, in this warpgroup's turn; releases its V slot. The row sums join
   the running sum before the turn up to V depth 128 (kept there by an optimization
   barrier, which the new maximum passes through too), after it beyond (register
   pressure); with ``KernelSpec.row_sum_first`` before P's conversion, so that each
-  float32 of P dies as it is converted. Returns (acc, l, m_new)."""
+  float32 of P dies as it is converted. width: P's columns, V's first rows (``None``:
+  the tile's). Returns (acc, l, m_new)."""
   if spec.v_depth <= 128:
     if spec.row_sum_first:
       l_i = l_i + p.sum(axis=1)
@@ -894,7 +936,7 @@ def pv(spec, scratch, turns, i, slot, acc, l_i, m_new, p):
 
   def products(acc_refs):
     for acc_ref, (_, vs) in zip(acc_refs, scratch.v):
-      plgpu.wgmma(acc_ref, p16, vs.at[slot(i)])
+      plgpu.wgmma(acc_ref, p16, first_keys(vs.at[slot(i)], width))
 
   acc = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in acc))
   plgpu.barrier_arrive(scratch.v_consumed.at[slot(i)])
