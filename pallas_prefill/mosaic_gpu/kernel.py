@@ -688,18 +688,16 @@ def attend_item(spec, refs, scratch, units, turns, item: Item, q_tiles, p_smem):
   carry = (acc, m_i, l_i)
   carry = lax.fori_loop(item.t_lo, item.u_lo, masked_step, carry)
   carry = lax.fori_loop(item.u_lo, item.u_hi, functools.partial(step, masked=False), carry)
+  end = item.t_hi
   if spec.narrow_tiles:
     # The last masked tile (if there is one) as its first half where that holds every
-    # key this warpgroup's rows see there: loops of zero or one trip, not a branch.
-    last = jnp.maximum(item.t_hi - 1, item.u_hi)
-    carry = lax.fori_loop(item.u_hi, last, masked_step, carry)
-    narrow = jnp.where(narrow_last(spec, item), item.t_hi - last, 0)
-    half = spec.block_kv // 2
-    carry = lax.fori_loop(last, last + narrow,
-                          functools.partial(step, masked=True, width=half), carry)
-    carry = lax.fori_loop(last + narrow, item.t_hi, masked_step, carry)
-  else:
-    carry = lax.fori_loop(item.u_hi, item.t_hi, masked_step, carry)
+    # key this warpgroup's rows see there: a loop of zero or one trip after the others,
+    # not a branch (one more copy of the tile's code, not two).
+    end = item.t_hi - jnp.where((item.u_hi < item.t_hi) & narrow_last(spec, item), 1, 0)
+  carry = lax.fori_loop(item.u_hi, end, masked_step, carry)
+  if spec.narrow_tiles:
+    carry = lax.fori_loop(end, item.t_hi, functools.partial(
+        step, masked=True, width=spec.block_kv // 2), carry)
   lax.fori_loop(item.t_hi, item.item_hi, skip, None)
   return carry
 
