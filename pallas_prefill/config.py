@@ -173,7 +173,10 @@ class MosaicOptions:
       last keys), runs as a 64-key tile: Q.K, the softmax and P.V on the tile's first
       half only (``kernel.narrow_last``). The hidden half adds exact zeros, so the same
       output bits. bf16 and float16 with 128-key tiles (not FP8, not split units). Off
-      in ``MosaicOptions()`` (an experiment: BUILD_NOTES.md, thirty-fifth session).
+      in ``MosaicOptions()``; ``config=None`` turns it on with the short prompts' column
+      mask at depth 128 (on the H100 1.014x-1.026x on MHA short64, 1.012x-1.018x on
+      skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
+      BUILD_NOTES.md, thirty-fifth session).
   """
 
   dynamic: bool = True
@@ -359,7 +362,10 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   short64, where most tiles are masked, 1.04x on MLA's and 1.09x on FP8's, against
   0.97x-0.99x on MHA's long prompts (BUILD_NOTES.md, thirty-first session); with the
   lower compare dropped where the mask allows (``MosaicOptions.column_lo_static``, the
-  same bits again: 1.02x more on MHA short64 on the H100)."""
+  same bits again: 1.02x more on MHA short64 on the H100), and at depth 128 (MHA) a
+  warpgroup's last tile as its first 64 keys where that holds its keys
+  (``MosaicOptions.narrow_last_tile``, the same bits: 1.014x-1.026x on MHA short64 on
+  the H100; 0.95x with three warpgroups on long16384, so short prompts only)."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
@@ -369,8 +375,11 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
       config = dataclasses.replace(config, compute_wgs=3, options=dataclasses.replace(
           config.options, q_per_tile=True, column_mask=True))
   if max_prompt_len <= COLUMN_MASK_MAX_PROMPT:
+    # (narrow last tiles measured at MHA's depth 128 only; they lose with three
+    # warpgroups on long prompts)
+    narrow = not is_fp8(dtype) and qk_depth == v_depth == 128 and config.block_kv == 128
     config = dataclasses.replace(config, options=dataclasses.replace(
-        config.options, column_mask=True, column_lo_static=True))
+        config.options, column_mask=True, column_lo_static=True, narrow_last_tile=narrow))
   return config
 
 

@@ -386,16 +386,18 @@ def test_mosaic_three_wgs_change_no_bit(case):
     np.testing.assert_array_equal(a, b, err_msg=f"{what}, seed={seed}")
 
 
-@pytest.mark.parametrize("case", INVARIANCE_GPU_CASES + [
-    dataclasses.replace(_INVARIANT, soft_cap=30.0, sink=True),
-    dataclasses.replace(_INVARIANT, dtype="float16", kv_heads=1)], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [
+    dataclasses.replace(c, lens=(1000, 37, 600, 1)) for c in INVARIANCE_GPU_CASES + [
+        dataclasses.replace(_INVARIANT, soft_cap=30.0, sink=True),
+        dataclasses.replace(_INVARIANT, dtype="float16", kv_heads=1)]],
+    ids=lambda c: c.name)
 def test_mosaic_narrow_last_tile_changes_no_bit(case):
   """``MosaicOptions.narrow_last_tile`` (a warpgroup's last KV tile as its first 64 keys
   where its rows see no later key) changes no bit of any row's output or LSE: the
   default config of max_prompt_len 1024 (the column mask), 4096 (the position test) and
   16384 (three compute warpgroups) with the option off and on, every mask, cached
-  prefixes, MLA, paged caches read in place and gathered, a soft cap and float16; each
-  call with it on checked against the reference."""
+  prefixes, MLA, paged caches read in place and gathered, a soft cap and float16
+  (prompts up to 1000 tokens); each call with it on checked against the reference."""
   from pallas_prefill import config as config_lib, logits  # pylint: disable=g-import-not-at-top
   seed = cases.fresh_seed()
   entry, reference = cases.ENTRY_POINTS[case.kind]

@@ -812,7 +812,9 @@ def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
   tables' short and long entries differ (MLA's KV tiles, MHA's verdict at depth 64). It
   picks only the column mask, which changes no bit (``test_gpu``'s
   test_mosaic_column_mask_changes_no_bit): on up to ``COLUMN_MASK_MAX_PROMPT``, with its
-  lower compare dropped where the mask allows (``column_lo_static``); and for
+  lower compare dropped where the mask allows (``column_lo_static``) and, at depth 128,
+  narrow last tiles (``narrow_last_tile``, test_mosaic_narrow_last_tile_changes_no_bit);
+  and for
   bf16/float16 at depth 128 three compute warpgroups above ``THREE_WGS_MIN_PROMPT``, or
   with a soft cap above ``COLUMN_MASK_MAX_PROMPT`` (with ``q_per_tile``, the column mask
   and, at every length, ``row_sum_first``), which give a row the same bits as two
@@ -835,10 +837,12 @@ def test_default_tiles_and_backend_do_not_depend_on_max_prompt_len(mask):
           assert [c.compute_wgs for c in configs] == (
               [2] * first3 + [3] * (7 - first3) if wgs3 else [configs[0].compute_wgs] * 7)
           assert [c.options.column_lo_static for c in configs] == [True] * 2 + [False] * 5
+          assert [c.options.narrow_last_tile for c in configs] == [wgs3] * 2 + [False] * 5
           assert all(c.options.row_sum_first == wgs3 for c in configs)
           assert all(c.options.q_per_tile == (wgs3 and c.compute_wgs == 3) for c in configs)
           calls = [(dataclasses.replace(c, compute_wgs=2, options=dataclasses.replace(
-              c.options, column_mask=False, q_per_tile=False, column_lo_static=False)),
+              c.options, column_mask=False, q_per_tile=False, column_lo_static=False,
+              narrow_last_tile=False)),
                     config_lib.prefers_triton(qk, v, dtype, mask, n))
                    for c, n in zip(configs, lengths)]
           assert all(c == calls[0] for c in calls), (qk, v, dtype, capped, calls)
