@@ -1295,6 +1295,25 @@ def test_column_lo_static_drops_the_lower_compare(mask, dropped):
   assert text(aligned(LO_STATIC(2))) == text(aligned(REGISTERS(2)))
 
 
+def test_narrow_last_tile_changes_the_kernel_where_it_serves():
+  """``MosaicOptions.narrow_last_tile`` changes the lowered kernel where
+  ``KernelSpec.narrow_tiles`` holds (bf16 and float16 on 128-key tiles, with
+  ``poly_exp2`` too) and nothing for FP8, 64-key tiles and split units."""
+  def narrow(c):
+    return dataclasses.replace(c, options=dataclasses.replace(c.options,
+                                                              narrow_last_tile=True))
+  def text(config, dtype="bfloat16"):
+    return Lowered(dtype=dtype, config=config).lower().as_text()
+  poly = pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4))
+  fp8 = pp.MosaicConfig(block_kv=128, num_stages=2, compute_wgs=3)
+  for config, dtype, changed in (
+      (pp.MosaicConfig(), "bfloat16", True), (pp.MosaicConfig(), "float16", True),
+      (poly, "bfloat16", True), (fp8, "float8_e4m3fn", False),
+      (pp.MosaicConfig(block_kv=64, num_stages=3), "bfloat16", False),
+      (pp.MosaicConfig(block_q=64, block_kv=64, split_units=True), "bfloat16", False)):
+    assert (text(narrow(config), dtype) != text(config, dtype)) == changed, (config, dtype)
+
+
 def test_narrow_last_holds_where_a_half_tile_is_enough():
   """``kernel.narrow_last`` (``MosaicOptions.narrow_last_tile``): on a causal sequence
   of 300 tokens with tiles at its first key, the item's first warpgroup (rows 0-63)
