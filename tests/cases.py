@@ -43,12 +43,24 @@ class Case:
 
   @property
   def name(self) -> str:
+    """The fields that differ from the defaults, a config by its own such fields (so
+    that ``pytest -k`` on an option's name selects the cases that set it)."""
     fields = []
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
       if value != f.default:
-        fields.append(f"{f.name}={value}")
+        fields.append(f"{f.name}={_short(value)}")
     return ",".join(fields) or "base"
+
+
+def _short(value) -> str:
+  """A dataclass instance (``MosaicConfig``, its ``MosaicOptions``) as its type and the
+  fields that differ from their defaults (or have none); anything else as ``str``."""
+  if not dataclasses.is_dataclass(value) or isinstance(value, type):
+    return str(value)
+  changed = [f"{f.name}={_short(getattr(value, f.name))}" for f in dataclasses.fields(value)
+             if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default]
+  return f"{type(value).__name__}({','.join(changed)})"
 
 
 def _cases():
