@@ -706,10 +706,11 @@ def narrow_last(spec, item: Item):
   """Whether the warpgroup's rows see no key in the second half of its last KV tile
   (t_hi - 1): the keys its last row sees end (``masks``' ``key_range``, whose end grows
   with the query's position, so the other rows' end no later) within ``block_kv / 2``
-  keys of the tile's first.
-  Rows of a neighbour in the warpgroup's tile are not stored, so what they see does not
-  matter. The tile's second half then adds exact zeros to the row sums and to P.V, so
-  running its first half alone changes no bit (``MosaicOptions.narrow_last_tile``)."""
+  keys of the tile's first. Rows of a neighbour in the warpgroup's tile are not stored,
+  so what they see does not matter. The tile's second half then adds exact zeros to the
+  row sums and to P.V, so running its first half alone changes no bit
+  (``MosaicOptions.narrow_last_tile``; ``tests/test_mosaic.py``'s emulated schedule
+  asserts the hidden half, ``tests/test_gpu.py`` the bits)."""
   unit = dict(block_kv=spec.block_kv, unit=spec.kv_unit)
   k0 = tile_first_row(item.kv_row, item.kv_last, item.t_hi - 1, **unit) - item.kv_start
   _, hi = spec.mask.key_range(item.row_pos + spec.block_q - 1)  # (the last row's)
