@@ -48,7 +48,7 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-KEYLESS_UNITS = ("first", "spread", "per_head")  # ``MosaicOptions.keyless_units``
+KEYLESS_UNITS = ("first", "spread", "per_head", "stores")  # ``MosaicOptions.keyless_units``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,13 @@ class MosaicOptions:
       the other programs' matrix products instead of ending the call (issue 23,
       ``schedule.unit_of``); "spread": the same units dealt evenly among the others;
       "per_head": a unit per (head, item), after the others, each storing its own zeros
-      (the kernel before the twentieth session).
+      (the kernel before the twentieth session); "stores": no units of their own where
+      any item has KV tiles: each (head, key-less item) is a zero job, which the compute
+      warpgroups of the keyed unit the job falls to (``schedule.zero_jobs``) do after
+      that unit's epilogue with plain vector stores (``primitives.store_zero_rows``, no
+      TMA: the SM's TMA unit keeps loading K/V), so that the zeros spread thinly over
+      the whole call; "first" where the call returns the LSE, with split units, or at
+      run time when no item has a KV tile (issue 23, thirty-seventh session).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the

@@ -506,6 +506,17 @@ def test_padded_keyless_units_per_head(case, skip_q):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
+@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"
+                                  and not c.lse], ids=lambda c: c.name)
+def test_padded_keyless_stores(case):
+  """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
+  zeros as jobs of the keyed units, by plain stores (every other padded test runs the
+  default's key-less units). The results stay exact and every padding row zero."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores"))
+  poison_device_memory()
+  test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
+
+
 _KEYLESS = dataclasses.replace(_LARGE, lens=(300, 0, 7, 1000, 64, 65, 1),
                                kv_lens=(5, 0, 999, 0, 77, 13, 0), lse=True, sink=True,
                                extra_rows=700)
@@ -526,6 +537,14 @@ def _options(case, **kw):
     _options(_KEYLESS, keyless_units="spread", build_work_list=False, deal=1, head_major=0),
     _options(_split(_KEYLESS), keyless_units="spread"),
     _split(_KEYLESS),
+    # zero jobs of the keyed units, plain stores (without the LSE: with it, "first")
+    _options(dataclasses.replace(_KEYLESS, lse=False), keyless_units="stores"),
+    _options(dataclasses.replace(_KEYLESS, lse=False, sink=False), keyless_units="stores",
+             dynamic=False),
+    _options(dataclasses.replace(_KEYLESS, lse=False, kv_lens=(0,) * 7),
+             keyless_units="stores"),
+    _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513),
+                                 extra_rows=600), keyless_units="stores"),
     dataclasses.replace(_KEYLESS, head_dim=256, kv_heads=2, heads=8),  # one output buffer
     dataclasses.replace(_KEYLESS, lse=False, sink=False, head_dim_v=64),
     dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,
@@ -534,7 +553,8 @@ def _options(case, **kw):
 def test_mosaic_keyless_units(case):
   """Key-less items (queries whose K/V are empty, rows past the last offset) run as one
   unit for all heads, first (``MosaicOptions.keyless_units``, the default) or spread
-  among the others: zeros and the sink's LSE on every head's rows, under the static deal,
+  among the others, or as zero jobs of the keyed units ("stores"; every item key-less:
+  units again): zeros and the sink's LSE on every head's rows, under the static deal,
   the dealt order, XLA's work list, split units, one output buffer (depth 256, MLA with
   the LSE; MLA has no sinks) and V depth 64."""
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")

@@ -127,15 +127,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   programs = 5
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   n_keyed = int(xla_work_list.keyed_items(tiles, np.arange(len(tiles)) < n_live))
-  keyless = config.options.keyless_units
+  keyless = mosaic_gpu.keyless_units(config, bool(kwargs.get("return_lse")))
   apart = keyless != "per_head"
   head_major = schedule.head_major_order(
       tiles, n_keyed if apart else n_live, num_heads=heads,
       group=heads // kv_heads, num_programs=programs)
   units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
-                        n_keyed=n_keyed if apart else None, spread=keyless == "spread")
+                        n_keyed=n_keyed if apart else None, spread=keyless == "spread",
+                        stores=keyless == "stores")
   # A key-less item's unit (``keyless_units``) runs each head's rows: no tiles, zeros.
-  units = [(hh, w) for h, w in units
+  units = [(hh, w, jobs) for h, w, jobs in units
            for hh in (range(heads) if h == schedule.ALL_HEADS else [h])]
 
   def rows_of(x, start, n):
@@ -150,7 +151,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   written = np.zeros((total_q, heads), int)
   lse_buf = np.full((heads, table.shape[0] * wgs * bq), np.nan)
   c = functools.partial(getattr, layout)  # the table columns, layout.Q_START etc.
-  for h, w in units:
+  for h, w, jobs in units:
     t = table[w]
     q_start, q_len = t[c("Q_START")], t[c("Q_LEN")]
     kv_start, kv_len = t[c("KV_START")], t[c("KV_LEN")]
@@ -218,6 +219,13 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       written[row + first:row + first + n_rows, h] += 1
       lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
       lse_buf[h, (w * wgs + g) * bq:(w * wgs + g + 1) * bq] = lse
+      # keyless_units="stores": the unit's zero jobs, after its epilogue
+      for hj, wj in jobs:
+        start, n = (int(x) for x in mosaic_kernel.zero_rows(
+            lambda col, wj=wj: table[wj, col], g, bq, total_q))
+        assert n >= 0 and start + n <= total_q
+        out[start:start + n, hj] = 0.0
+        written[start:start + n, hj] += 1
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
   lse = lse_buf[:, lse_slot].T
   last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
@@ -260,11 +268,18 @@ def test_schedule_matches_reference(case, wgs):
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
-@pytest.mark.parametrize("keyless", ["first", "spread", "per_head"])
+@pytest.mark.parametrize("keyless", ["first", "spread", "per_head", "stores"])
 @pytest.mark.parametrize("case", [
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
                config=None),
+    # without the LSE ("stores" keeps its zero jobs), a sink, rows past the array's
+    # last offset
+    cases.Case(lens=(130, 0, 7, 200, 64, 1), kv_lens=(5, 0, 300, 0, 0, 13), heads=4,
+               kv_heads=1, head_dim=64, sink=True, extra_rows=333, config=None),
+    # no item with KV tiles: "stores" runs the key-less units
+    cases.Case(lens=(50, 200), kv_lens=(0, 0), heads=2, kv_heads=2, head_dim=64,
+               extra_rows=100, config=None),
     cases.Case(kind="mla", lens=(9, 0, 130), kv_lens=(0, 0, 140), heads=2, kv_heads=2,
                head_dim=64, rope_dim=64, lse=True, extra_rows=300, config=None),
 ], ids=lambda c: c.name)
@@ -286,7 +301,11 @@ def check_emulated(case, config, args, kwargs, last_row, *, tag):
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True, output_dtype=jnp.float32))
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
-  np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
+  rows = slice(None)
+  if not kwargs.get("return_lse"):  # keyless_units="stores": no LSE for key-less rows
+    rows = ~np.isnan(lse).any(axis=1)
+  np.testing.assert_allclose(lse[rows], np.asarray(ref_lse)[rows], rtol=1e-5, atol=1e-4,
+                             err_msg=tag)
   assert not out[last_row:].any(), tag
 
 
@@ -437,29 +456,52 @@ def test_items_are_heaviest_first():
   assert not np.asarray(table[int(n_live):, layout.Q_LEN]).any()
 
 
-def program_units(programs, n_live, heads, group, head_major, n_keyed=None, spread=False):
-  """Every program's (head, item) units in the order it runs them (the static deal),
-  checked to cover each unit once. ``n_keyed``: the kernel's units with key-less items
-  apart (``schedule.unit_of``, ``spread`` or first), the items from n_keyed on one unit
-  each (head ALL_HEADS); None: a unit per (head, item), ``schedule.program_unit``'s."""
+def program_units(programs, n_live, heads, group, head_major, n_keyed=None, spread=False,
+                  stores=False):
+  """Every program's (head, item, zero jobs) units in the order it runs them (the static
+  deal), checked to cover each unit and zero job once. ``n_keyed``: the kernel's units
+  with key-less items apart (``schedule.unit_of``, ``spread`` or first), the items from
+  n_keyed on one unit each (head ALL_HEADS), or with ``stores`` (where any item is
+  keyed) each (head, key-less item) a zero job of one keyed unit (``schedule.zero_jobs``:
+  the (head, item) pairs a unit's warpgroups zero after its epilogue); None: a unit per
+  (head, item), ``schedule.program_unit``'s."""
   if n_keyed is None:
     units = [tuple(int(x) for x in schedule.program_unit(
         p, programs, k, num_heads=heads, group=group, n_live=jnp.int32(n_live),
-        head_major=jnp.int32(head_major)))
+        head_major=jnp.int32(head_major))) + ([],)
              for p in range(programs)
              for k in range(int(schedule.num_local_units(p, programs, n_live * heads)))]
-    assert sorted(units) == [(h, w) for h in range(heads) for w in range(n_live)]
+    assert sorted(u[:2] for u in units) == [(h, w) for h in range(heads)
+                                            for w in range(n_live)]
     return units
-  n_keyless = n_live - n_keyed
-  total = schedule.num_units(heads, n_keyed, jnp.int32(n_keyless))
+  n_keyless = jnp.int32(n_live - n_keyed)
+  keyless_units = (schedule.stores_keyless_units(jnp.int32(n_keyed), n_keyless) if stores
+                   else n_keyless)
+  total = schedule.num_units(heads, n_keyed, keyless_units)
   unit = functools.partial(schedule.unit_of, num_heads=heads, group=group,
-                           n_keyed=jnp.int32(n_keyed), n_keyless=jnp.int32(n_keyless),
+                           n_keyed=jnp.int32(n_keyed), n_keyless=keyless_units,
                            head_major=jnp.int32(head_major), spread=spread)
-  units = [tuple(int(x) for x in unit(schedule.dealt_unit(p, programs, k)))
+
+  def jobs(u):
+    if not stores:
+      return []
+    first, count, stride = (int(x) for x in schedule.zero_jobs(
+        jnp.int32(u), num_heads=heads, n_keyed=jnp.int32(n_keyed), n_keyless=n_keyless))
+    return [tuple(int(x) for x in schedule.zero_job(
+        jnp.int32(first + m * stride), num_heads=heads, n_keyed=jnp.int32(n_keyed)))
+            for m in range(count)]
+
+  units = [tuple(int(x) for x in unit(u)) + (jobs(u),)
            for p in range(programs)
-           for k in range(int(schedule.num_local_units(p, programs, total)))]
-  assert sorted(units) == sorted([(h, w) for h in range(heads) for w in range(n_keyed)]
-                                 + [(schedule.ALL_HEADS, w) for w in range(n_keyed, n_live)])
+           for k in range(int(schedule.num_local_units(p, programs, total)))
+           for u in [int(schedule.dealt_unit(p, programs, k))]]
+  keyless = [(schedule.ALL_HEADS, w) for w in range(n_keyed, n_live)]
+  if stores and n_keyed:
+    keyless = []
+    assert sorted(j for u in units for j in u[2]) == [
+        (h, w) for h in range(heads) for w in range(n_keyed, n_live)]
+  assert sorted(u[:2] for u in units) == sorted(
+      [(h, w) for h in range(heads) for w in range(n_keyed)] + keyless)
   return units
 
 
@@ -507,6 +549,27 @@ def test_keyless_items_run_apart_a_unit_each(n_live, n_keyed, heads, group, prog
       tuple(int(x) for x in schedule.unit_head_item(
           jnp.int32(u), num_heads=heads, group=group, n_live=jnp.int32(n_keyed),
           head_major=jnp.int32(head_major))) for u in range(n_keyed * heads)]
+
+
+@pytest.mark.parametrize("n_live,n_keyed,heads,group,programs", [
+    (0, 0, 8, 1, 3), (5, 0, 4, 1, 3), (7, 3, 8, 2, 5), (10, 10, 8, 8, 7),
+    (1, 0, 128, 1, 132), (40, 1, 2, 1, 3), (270, 70, 32, 4, 132)])
+@pytest.mark.parametrize("head_major", [0, 1])
+def test_zero_jobs_fall_to_one_keyed_unit_each(n_live, n_keyed, heads, group, programs,
+                                               head_major):
+  """``keyless_units="stores"`` (``schedule.zero_jobs``): where some item is keyed, the
+  keyed (head, item) units run once each and every (head, key-less item) is a zero job
+  of exactly one of them, at most ceil(jobs / keyed units) a unit; where none is, each
+  key-less item is one unit for all heads, as under "first"."""
+  units = program_units(programs, n_live, heads, group, head_major, n_keyed=n_keyed,
+                        stores=True)
+  n_keyless = n_live - n_keyed
+  if n_keyed:
+    assert all(h != schedule.ALL_HEADS for h, _, _ in units)
+    most = -(-n_keyless * heads // (n_keyed * heads))
+    assert max(len(j) for _, _, j in units) == most
+  else:
+    assert sorted(units) == [(schedule.ALL_HEADS, w, []) for w in range(n_live)]
 
 
 @pytest.mark.parametrize("n_units,programs", [(0, 5), (3, 5), (5, 5), (12, 5), (131, 132),
@@ -1071,6 +1134,11 @@ LOWERED = [
     Lowered(config=pp.MosaicConfig(options=NO_SKIP)),
     Lowered(kind="mla", heads=16, kv_heads=16, lse=True, sink=False,
             config=pp.MosaicConfig(options=NO_SKIP)),
+    # keyless_units="stores": zero jobs of the keyed units, plain stores (float32 rows)
+    Lowered(total_q=1001, sink=True, output_dtype="float32", config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="stores"))),
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="stores", dynamic=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

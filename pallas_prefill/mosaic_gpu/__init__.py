@@ -74,6 +74,15 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
   return config.options.fp8_native_pages and v_depth & (v_depth - 1) == 0
 
 
+def keyless_units(config: MosaicConfig, return_lse: bool) -> str:
+  """The kernel's ``MosaicOptions.keyless_units``: "stores" becomes "first" where the call
+  returns the LSE (the zero jobs store no LSE rows) or runs split units."""
+  units = config.options.keyless_units
+  if units == "stores" and (return_lse or config.split_units):
+    return "first"
+  return units
+
+
 def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
   """The config for native pages of page_size rows (``layout.MIN_NATIVE_PAGE`` or more):
   its KV tiles span pages (``MosaicOptions.tile_spans_pages``), or are cut to one page."""
@@ -153,7 +162,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
-      keyless_units=config.options.keyless_units,
+      keyless_units=keyless_units(config, return_lse),
       poly_exp2=config.options.poly_exp2,
       # (bf16 only: P in float16 would flush the small probabilities of a row whose
       # scores all lie far below the fixed maximum, and Q times scale / cap its small

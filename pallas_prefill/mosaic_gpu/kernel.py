@@ -84,7 +84,8 @@ from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import smem
 from pallas_prefill.mosaic_gpu.schedule import (ALL_HEADS, dealt_unit, num_local_units,
-                                                num_units, unit_of)
+                                                num_units, stores_keyless_units, unit_of,
+                                                zero_job, zero_jobs)
 
 FP32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
@@ -214,8 +215,15 @@ class KernelSpec:
 
   @property
   def keyless_apart(self) -> bool:
-    """Key-less items run as units of their own, for all heads (``schedule.unit_of``)."""
+    """Key-less items run as units of their own, for all heads (``schedule.unit_of``), or
+    as zero jobs of the keyed units (``zero_stores``)."""
     return self.keyless_units != "per_head"
+
+  @property
+  def zero_stores(self) -> bool:
+    """Key-less items' zeros as jobs of the keyed units, stored without TMA
+    (``MosaicOptions.keyless_units="stores"``; ``store_zero_jobs``)."""
+    return self.keyless_units == "stores"
 
   @property
   def chunks(self):
@@ -353,7 +361,9 @@ class Units:
   own rows of them); with split units, unit v is half v % 2 (the rows of warpgroup
   v % 2's share) of shared unit v // 2, so that an item's two halves are claimed one
   after the other. Unless ``keyless_units`` is "per_head", an item without KV tiles is
-  one unit whose head is ``schedule.ALL_HEADS`` (``schedule.unit_of``). Dynamic: each
+  one unit whose head is ``schedule.ALL_HEADS`` (``schedule.unit_of``); with "stores" only
+  where no item has KV tiles, its (head, item) pairs otherwise zero jobs of the keyed
+  units (``schedule.zero_jobs``, ``store_zero_jobs``). Dynamic: each
   program's producer claims (or takes as dealt) the next unit one ahead and passes it to
   the compute warpgroups through two shared-memory slots a lane (``publish``, ``take``).
   Static: the zigzag (``schedule.dealt_unit``) deals them.
@@ -367,12 +377,15 @@ class Units:
     if spec.keyless_apart:
       n_keyed = refs.scalars[L.S_KEYED]
       n_keyless = n_live - n_keyed
-    self.n_units = (num_units(spec.num_heads, n_keyed, n_keyless)
+    self.n_keyed, self.n_keyless = n_keyed, n_keyless
+    keyless_units = (stores_keyless_units(n_keyed, n_keyless) if spec.zero_stores
+                     else n_keyless)
+    self.n_units = (num_units(spec.num_heads, n_keyed, keyless_units)
                     * (spec.wgs if spec.split else 1))
     # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
     self.by_order = functools.partial(
         unit_of, num_heads=spec.num_heads, group=spec.group, n_keyed=n_keyed,
-        n_keyless=n_keyless, head_major=refs.scalars[L.S_HEAD_MAJOR],
+        n_keyless=keyless_units, head_major=refs.scalars[L.S_HEAD_MAJOR],
         spread=spec.keyless_units == "spread")
 
   def claimed(self, u):
@@ -418,10 +431,11 @@ class Units:
     return u
 
   def for_each_unit(self, run, first, next_unit):
-    """run(hw, base, fetch_next) on each of this program's units in turn; base counts
-    the K/V tiles earlier units streamed through the slots. first(hw) runs before the
-    loop for the first unit (if any). run calls fetch_next() -> (there is a next unit,
-    its hw) once per unit: with dynamic scheduling, that takes the next claim."""
+    """run(hw, base, fetch_next, u) on each of this program's units in turn (u: the
+    unit's index in the order, claimed or dealt); base counts the K/V tiles earlier
+    units streamed through the slots. first(hw) runs before the loop for the first unit
+    (if any). run calls fetch_next() -> (there is a next unit, its hw) once per unit:
+    with dynamic scheduling, that takes the next claim."""
     spec = self.spec
     if not spec.dynamic:  # the units the zigzag deals this program (its k-th: units(k))
       units = lambda k: self.by_order(  # noqa: E731
@@ -430,7 +444,8 @@ class Units:
       pl.when(n_local > 0)(lambda: first((*units(0), 0)))
 
       def static_step(k, base):
-        return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)))
+        return run((*units(k), 0), base, lambda: (k + 1 < n_local, (*units(k + 1), 0)),
+                   dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k))
 
       lax.fori_loop(0, n_local, static_step, jnp.int32(0))
       return
@@ -445,7 +460,7 @@ class Units:
         got.append(next_unit(k + 1))
         return got[0] < self.n_units, self.claimed(got[0])
 
-      base = run(self.claimed(u), base, fetch_next)
+      base = run(self.claimed(u), base, fetch_next, u)
       return k + 1, base, got[0]
 
     lax.while_loop(lambda carry: carry[2] < self.n_units, dynamic_step,
@@ -589,7 +604,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     wg_now = primitives.opaque(wg)
     return [tiled.at[wg_now] for _, tiled in scratch.q]
 
-  def run(hw, base, fetch_next):
+  def run(hw, base, fetch_next, u):
     item = read_item(spec, refs, units, hw, base)
     def wait_q():
       plgpu.barrier_wait(scratch.q_loaded.at[wg])
@@ -610,6 +625,8 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     has_next, next_hw = fetch_next()
     pl.when(has_next)(lambda: load_q(next_hw))
     epilogue(spec, refs, item, carry, own["o"], own["lse"])
+    if spec.zero_stores:
+      store_zero_jobs(spec, refs, units, wg, u)
     return base + item.item_hi - item.item_lo
 
   units.for_each_unit(run, load_q, units.take)
@@ -991,6 +1008,34 @@ def store_zeros(spec, refs, item: Item, o_smem, lse_smem):
       store_rows(spec, refs, item, o_smem, g, h=h)
 
 
+def store_zero_jobs(spec, refs, units: Units, wg, u):
+  """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``; none for a
+  key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
+  warpgroup's rows of the job's key-less item on the job's head, by plain stores
+  (``primitives.store_zero_rows``) that stay in flight while the next unit computes."""
+  first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
+                                   n_keyless=units.n_keyless)
+  total_rows = refs.o.shape[0]
+
+  @pl.loop(0, count)
+  def _job(m):
+    h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
+    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, total_rows)
+    primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
+
+
+def zero_rows(meta, half, block_q, total_rows):
+  """(start, n): the rows [start, start + n) that half ``half`` of an item stores (as
+  ``read_item``'s row + first and n_rows), given its work-list row ``meta``, cut at
+  ``total_rows`` (a valid table has no row past it; plain stores are not clipped as
+  TMA's are)."""
+  row = first_q_row(meta, half, block_q)
+  q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
+  start = jnp.clip(q_start, row, row + block_q)
+  end = jnp.clip(q_start + q_len, start, row + block_q)
+  return start, jnp.clip(jnp.minimum(end, total_rows) - start, 0, block_q)
+
+
 def store_unit(spec, refs, item: Item, carry, o_smem, lse_smem):
   """Normalizes the accumulators and stores the unit's rows [first, first + n_rows) of
   the output (and its LSE to the per-item buffer)."""
@@ -1045,7 +1090,8 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
   plgpu.set_max_registers(registers(spec)[1], action="decrease")
   tail8, kv_tail = refs.scalars[L.S_TAIL8], refs.scalars[L.S_KV_TAIL]
 
-  def load_item(hw, base, fetch_next):
+  def load_item(hw, base, fetch_next, u):
+    del u
     fetch_next()
     h, _, meta, item_lo, item_hi, _ = units.item_of(hw)
     kv_head = lax.div(h, jnp.int32(spec.group))

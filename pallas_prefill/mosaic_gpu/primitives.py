@@ -1,7 +1,8 @@
 """Mosaic GPU primitives the kernel needs that Pallas does not expose: PTX named barriers
 with a traced id, a fused multiply-add before ``ex2.approx`` (or before a polynomial exp2
 on the FMA pipes), the atomic claim of the next unit, the two-copy TMA of a row range
-whose last 8 rows may come from elsewhere, and FP8's V tile transposed in shared memory
+whose last 8 rows may come from elsewhere, zeros stored without TMA
+(``store_zero_rows``), and FP8's V tile transposed in shared memory
 (``transpose_v_tile``)."""
 
 from __future__ import annotations
@@ -291,6 +292,55 @@ def claim(scalar_ref, unit_smem, slot, dealt):
 
   claim_or_take(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32),
                 jnp.asarray(dealt, jnp.int32))
+
+
+# ``store_zero_rows``' store: 16 bytes of zeros at a global address when a row index is
+# below the row count, streaming (``.cs``: evict first from L2, as nothing reads them).
+_ZERO_STORE_PTX = """{
+  .reg .pred p;
+  .reg .b64 a;
+  setp.lt.s32 p, $1, $2;
+  cvta.to.global.u64 a, $0;
+  @p st.global.cs.v4.b32 [a], {$3, $3, $3, $3};
+}"""
+
+
+def store_zero_rows(o_ref, start, n, h, *, max_rows: int):
+  """Zeros into rows [start, start + n) of head h of ``o_ref`` (the output, [rows, heads,
+  depth] in global memory; 0 <= n <= max_rows, rows within the array) by the
+  warpgroup's 128 threads, with plain 16-byte vector stores, not TMA, left in flight (the
+  kernel's end makes them visible). A row's depth * itemsize bytes must be a multiple
+  of 16."""
+  rows, heads, depth = o_ref.shape
+  row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
+  if row_bytes % 16:
+    raise ValueError(f"store_zero_rows: a row of {row_bytes} bytes is not whole 16-byte stores")
+  per_row = row_bytes // 16
+  per_thread = -(-max_rows * per_row // 128)
+  del rows
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+  def zeros(_, o, start, n, h):
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    start, n, h = (x.registers[()] for x in (start, n, h))
+    const = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
+    tid = arith.remui(mgpu.utils.thread_idx(), const(128))
+    base = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(o))
+    zero = const(0)
+    void = ir.Type.parse("!llvm.void")
+    for m in range(per_thread):
+      c = arith.addi(tid, const(128 * m))
+      r = arith.divui(c, const(per_row))
+      col = arith.remui(c, const(per_row))
+      row_head = arith.addi(arith.muli(arith.addi(start, r), const(heads)), h)
+      offset = arith.addi(arith.muli(arith.extsi(i64, row_head), const(row_bytes, i64)),
+                          arith.muli(arith.extui(i64, col), const(16, i64)))
+      llvm.inline_asm(void, [arith.addi(base, offset), r, n, zero], _ZERO_STORE_PTX,
+                      "l,r,r,r", has_side_effects=True)
+
+  zeros(o_ref, jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32),
+        jnp.asarray(h, jnp.int32))
 
 
 def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):

@@ -95,6 +95,34 @@ def unit_of(unit, *, num_heads, group, n_keyed, n_keyless, head_major, spread=Fa
   return jnp.where(keyless, ALL_HEADS, head), jnp.where(keyless, n_keyed + j, item)
 
 
+def zero_jobs(unit, *, num_heads, n_keyed, n_keyless):
+  """``MosaicOptions.keyless_units="stores"``: keyed unit `unit`'s zero jobs, as (first,
+  count, stride): jobs first, first + stride, ... (count of them) of the n_keyless *
+  num_heads jobs, one per (head, key-less item) (``zero_job``), so that every job falls
+  to exactly one of the n_keyed * num_heads keyed units whatever order they run in. No
+  keyed unit: no job (the key-less items then run as units, ``stores_keyless_units``)."""
+  keyed_units = n_keyed * num_heads
+  jobs = jnp.where(keyed_units > 0, n_keyless * num_heads, 0)
+  stride = jnp.maximum(keyed_units, 1)
+  count = lax.div(jnp.maximum(jobs - unit, 0) + stride - 1, stride)
+  return unit, count, stride
+
+
+def zero_job(job, *, num_heads, n_keyed):
+  """The (head, item) of zero job `job` (``zero_jobs``): head job % num_heads of key-less
+  item n_keyed + job // num_heads (the key-less items follow the keyed ones in the work
+  list)."""
+  heads = jnp.int32(num_heads)
+  return lax.rem(job, heads), n_keyed + lax.div(job, heads)
+
+
+def stores_keyless_units(n_keyed, n_keyless):
+  """``keyless_units="stores"``: the key-less items that still run as units of their own
+  (``unit_of``, first), all of them when no item has a KV tile (no keyed unit to take
+  their zero jobs), else none."""
+  return jnp.where(n_keyed > 0, 0, n_keyless)
+
+
 def num_units(num_heads, n_keyed, n_keyless):
   """The units of ``unit_of``: a unit per head of each keyed item, plus one per key-less
   item (``n_keyless`` None: none)."""
