@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the H200 (the device tool runs it from the repo root; the thirty-seventh session),
+# one device call for MosaicOptions.keyless_units="stores" (issue 23's padded cost): its
+# GPU tests (the key-less units' cases and the padded layouts, stores against the
+# reference with poisoned memory), then its arms in one process, 3 rounds in turns, on
+# the padded and packed MHA skew16_16k and short64 (the padded call's time against the
+# packed one per arm: "first", the default, against "stores" and "spread"). Results in
+# $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two.
+set -uo pipefail
+out=${OUT:-h200-out}
+mkdir -p "$out"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+if [ -z "${SKIP_TESTS:-}" ]; then
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 200 python3 -m pytest -q -m gpu \
+    tests/test_gpu.py -p no:cacheprovider -n 8 -k "test_mosaic_keyless_units \
+    or test_padded_keyless_stores" > "$out/gpu-tests.log" 2>&1
+  echo "== GPU tests (rc $?)"; tail -4 "$out/gpu-tests.log" | cut -c1-300
+fi
+# shellcheck disable=SC2086
+timeout 300 python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
+  --arm first --arm stores "keyless_units='stores'" --arm spread "keyless_units='spread'" \
+  --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
+  --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
+echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -16
+grep "rel. error" "$out/arms.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/max error /'
