@@ -150,7 +150,8 @@ class KernelSpec:
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
   warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``);
-  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``).
+  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``); jobs_ahead:
+  ``MosaicOptions.zero_jobs_ahead`` (``zero_jobs_ahead``).
   """
 
   parts: tuple
@@ -189,6 +190,7 @@ class KernelSpec:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
+  jobs_ahead: int = 0
 
   @property
   def narrow_tiles(self) -> bool:
@@ -620,13 +622,15 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     turns = Turns(spec, wg)
     carry = attend_item(spec, refs, scratch, units, turns, item, q_tiles, own["p"])
     turns.end()
+    # (``zero_stores``: the first jobs' rows read now, their latency under the epilogue)
+    jobs = zero_jobs_ahead(spec, refs, units, wg, u) if spec.zero_stores else None
     # The matrix products are done with this Q: the next item's loads while this one is
     # written out.
     has_next, next_hw = fetch_next()
     pl.when(has_next)(lambda: load_q(next_hw))
     epilogue(spec, refs, item, carry, own["o"], own["lse"])
     if spec.zero_stores:
-      store_zero_jobs(spec, refs, units, wg, u)
+      store_zero_jobs(spec, refs, units, wg, u, jobs)
     return base + item.item_hi - item.item_lo
 
   units.for_each_unit(run, load_q, units.take)
@@ -1008,19 +1012,37 @@ def store_zeros(spec, refs, item: Item, o_smem, lse_smem):
       store_rows(spec, refs, item, o_smem, g, h=h)
 
 
-def store_zero_jobs(spec, refs, units: Units, wg, u):
-  """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``; none for a
-  key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
-  warpgroup's rows of the job's key-less item on the job's head, by plain stores
-  (``primitives.store_zero_rows``) that stay in flight while the next unit computes."""
+def zero_jobs_ahead(spec, refs, units: Units, wg, u):
+  """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``) and the rows
+  of its first ``KernelSpec.jobs_ahead`` of them, read from the work list all at once
+  (``(start, n, head)`` each; n = 0 past the unit's count)."""
   first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
                                    n_keyless=units.n_keyless)
-  total_rows = refs.o.shape[0]
+  last_item = refs.meta.shape[0] - 1
+  ahead = []
+  for m in range(spec.jobs_ahead):
+    h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
+    w = jnp.minimum(w, last_item)  # (past the count: any row, no store)
+    start, n = zero_rows(lambda col, w=w: refs.meta[w, col], wg, spec.block_q,
+                         refs.o.shape[0])
+    ahead.append((start, jnp.where(m < count, n, 0), h))
+  return (first, count, stride), ahead
 
-  @pl.loop(0, count)
+
+def store_zero_jobs(spec, refs, units: Units, wg, u, jobs):
+  """``KernelSpec.zero_stores``: unit u's zero jobs (``zero_jobs_ahead``'s; none for a
+  key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
+  warpgroup's rows of the job's key-less item on the job's head, by plain stores
+  (``primitives.store_zero_rows``) that stay in flight while the next unit computes;
+  the jobs past those read ahead one after another."""
+  (first, count, stride), ahead = jobs
+  for start, n, h in ahead:
+    primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
+
+  @pl.loop(spec.jobs_ahead, jnp.maximum(count, spec.jobs_ahead))
   def _job(m):
     h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
-    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, total_rows)
+    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
     primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
 
 
