@@ -25,5 +25,5 @@ timeout 300 python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "
   --arm spread "keyless_units='spread'" \
   --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
   --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
-echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -16
+echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -20
 grep "rel. error" "$out/arms.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/max error /'
