@@ -183,10 +183,6 @@ class MosaicOptions:
       mask at depth 128 (on the H100 1.014x-1.026x on MHA short64, 1.012x-1.018x on
       skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
       BUILD_NOTES.md, thirty-fifth session).
-    zero_jobs_ahead: with ``keyless_units="stores"``, how many of a unit's zero jobs
-      (0 to 8) read their rows from the work list before the unit's epilogue, all at
-      once, so that those loads' latency passes under the epilogue instead of one
-      job's after another (the rest, if any, run in a loop after it).
   """
 
   dynamic: bool = True
@@ -210,7 +206,6 @@ class MosaicOptions:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  zero_jobs_ahead: int = 4
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
@@ -231,10 +226,6 @@ class MosaicOptions:
         or not 0 <= self.poly_exp2 <= 8):
       raise ValueError(f"MosaicOptions.poly_exp2 must be an int in [0, 8], got "
                        f"{self.poly_exp2!r}")
-    if (isinstance(self.zero_jobs_ahead, bool) or not isinstance(self.zero_jobs_ahead, int)
-        or not 0 <= self.zero_jobs_ahead <= 8):
-      raise ValueError(f"MosaicOptions.zero_jobs_ahead must be an int in [0, 8], got "
-                       f"{self.zero_jobs_ahead!r}")
 
 
 # FP8's widest K/V tile (``MosaicConfig.block_kv``): FP8 matrix products take twice bf16's

@@ -1001,9 +1001,7 @@ def test_split_units_need_dynamic_scheduling():
     (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
     (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units"),
     (dict(row_sum_first=1), "row_sum_first"), (dict(q_per_tile="yes"), "q_per_tile"),
-    (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static"),
-    (dict(zero_jobs_ahead=9), "zero_jobs_ahead"), (dict(zero_jobs_ahead=True), "zero_jobs_ahead"),
-    (dict(zero_jobs_ahead=-1), "zero_jobs_ahead")])
+    (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
@@ -1140,8 +1138,7 @@ LOWERED = [
     Lowered(total_q=1001, sink=True, output_dtype="float32", config=pp.MosaicConfig(
         options=pp.MosaicOptions(keyless_units="stores"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
-        options=pp.MosaicOptions(keyless_units="stores", dynamic=False,
-                                 zero_jobs_ahead=0))),
+        options=pp.MosaicOptions(keyless_units="stores", dynamic=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

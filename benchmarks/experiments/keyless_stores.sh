@@ -4,8 +4,7 @@
 # GPU tests (the key-less units' cases and the padded layouts, stores against the
 # reference with poisoned memory), then its arms in one process, 3 rounds in turns, on
 # the padded and packed MHA skew16_16k and short64 (the padded call's time against the
-# packed one per arm: "first", the default, against "stores" with its zero jobs' rows
-# read ahead (4, the default) and not (0), and "spread"). Results in
+# packed one per arm: "first", the default, against "stores" and "spread"). Results in
 # $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two.
 set -uo pipefail
 out=${OUT:-h200-out}
@@ -20,9 +19,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 # shellcheck disable=SC2086
 timeout 300 python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
-  --arm first --arm stores "keyless_units='stores'" \
-  --arm stores0 "keyless_units='stores'" zero_jobs_ahead=0 \
-  --arm spread "keyless_units='spread'" \
+  --arm first --arm stores "keyless_units='stores'" --arm spread "keyless_units='spread'" \
   --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
   --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
 echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -20

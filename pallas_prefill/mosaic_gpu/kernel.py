@@ -150,8 +150,7 @@ class KernelSpec:
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
   warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``);
-  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``); jobs_ahead:
-  ``MosaicOptions.zero_jobs_ahead`` (``zero_jobs_ahead``).
+  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``).
   """
 
   parts: tuple
@@ -190,7 +189,6 @@ class KernelSpec:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  jobs_ahead: int = 0
 
   @property
   def narrow_tiles(self) -> bool:
@@ -622,15 +620,13 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     turns = Turns(spec, wg)
     carry = attend_item(spec, refs, scratch, units, turns, item, q_tiles, own["p"])
     turns.end()
-    # (``zero_stores``: the first jobs' rows read now, their latency under the epilogue)
-    jobs = zero_jobs_ahead(spec, refs, units, wg, u) if spec.zero_stores else None
     # The matrix products are done with this Q: the next item's loads while this one is
     # written out.
     has_next, next_hw = fetch_next()
     pl.when(has_next)(lambda: load_q(next_hw))
     epilogue(spec, refs, item, carry, own["o"], own["lse"])
     if spec.zero_stores:
-      store_zero_jobs(spec, refs, units, wg, u, jobs)
+      store_zero_jobs(spec, refs, units, wg, u)
     return base + item.item_hi - item.item_lo
 
   units.for_each_unit(run, load_q, units.take)
@@ -1012,34 +1008,17 @@ def store_zeros(spec, refs, item: Item, o_smem, lse_smem):
       store_rows(spec, refs, item, o_smem, g, h=h)
 
 
-def zero_jobs_ahead(spec, refs, units: Units, wg, u):
-  """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``) and the rows
-  of its first ``KernelSpec.jobs_ahead`` of them, read from the work list all at once
-  (``(start, n, head)`` each; n = 0 past the unit's count)."""
-  first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
-                                   n_keyless=units.n_keyless)
-  last_item = refs.meta.shape[0] - 1
-  ahead = []
-  for m in range(spec.jobs_ahead):
-    h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
-    w = jnp.minimum(w, last_item)  # (past the count: any row, no store)
-    start, n = zero_rows(lambda col, w=w: refs.meta[w, col], wg, spec.block_q,
-                         refs.o.shape[0])
-    ahead.append((start, jnp.where(m < count, n, 0), h))
-  return (first, count, stride), ahead
-
-
-def store_zero_jobs(spec, refs, units: Units, wg, u, jobs):
-  """``KernelSpec.zero_stores``: unit u's zero jobs (``zero_jobs_ahead``'s; none for a
+def store_zero_jobs(spec, refs, units: Units, wg, u):
+  """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``; none for a
   key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
   warpgroup's rows of the job's key-less item on the job's head, by plain stores
-  (``primitives.store_zero_rows``) that stay in flight while the next unit computes;
-  the jobs past those read ahead one after another."""
-  (first, count, stride), ahead = jobs
-  for start, n, h in ahead:
-    primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
+  (``primitives.store_zero_rows``) that stay in flight while the next unit computes.
+  (Reading the first four jobs' rows before the epilogue, all at once, lost on the H200:
+  BUILD_NOTES.md, thirty-seventh session.)"""
+  first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
+                                   n_keyless=units.n_keyless)
 
-  @pl.loop(spec.jobs_ahead, jnp.maximum(count, spec.jobs_ahead))
+  @pl.loop(0, count)
   def _job(m):
     h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
     start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
