@@ -613,10 +613,13 @@ def test_mosaic_register_options(case, wgs):
   check_fitting_tiles(case, compute_wgs=wgs, options=options)
 
 
-def _row_smem(case, **kw):
+def _row_smem(case, fields=None, **options):
+  """The case with ``MosaicOptions.unit_row_smem`` (and ``options``) on, and the config's
+  ``fields``."""
   config = case.config or pp.MosaicConfig()
-  return dataclasses.replace(case, config=dataclasses.replace(config, **kw.pop("fields", {}),
-      options=dataclasses.replace(config.options, unit_row_smem=True, **kw)))
+  return dataclasses.replace(case, config=dataclasses.replace(
+      config, **(fields or {}),
+      options=dataclasses.replace(config.options, unit_row_smem=True, **options)))
 
 
 @pytest.mark.parametrize("case", [

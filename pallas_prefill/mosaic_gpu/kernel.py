@@ -585,6 +585,14 @@ def first_q_row(meta, half, block_q):
   return (meta(L.ROW8) + half * (block_q // 8)) * 8
 
 
+def stored_rows(q_start, q_len, row, block_q):
+  """(first, n_rows): the rows [row + first, row + first + n_rows) of the block_q rows
+  from ``row`` that belong to the sequence of rows [q_start, q_start + q_len) (the rows
+  before them are a neighbour's)."""
+  first = jnp.clip(q_start - row, 0, block_q)
+  return first, jnp.clip(q_start + q_len - row, 0, block_q) - first
+
+
 def registers(spec: KernelSpec) -> tuple[int, int]:
   """(compute, producer) registers a thread (``setmaxnreg``; an SM has 65536, which the
   warpgroups' shares must not exceed): 232 and 40; split units, four warpgroups, 224 and
@@ -685,8 +693,7 @@ def read_item(spec: KernelSpec, refs: Refs, units: Units, hw, base) -> Item:
   col = lambda j: meta(L.WG_COLS + 4 * half + j)  # noqa: E731
   t_lo, u_lo, u_hi, t_hi = col(0), col(1), col(2), col(3)
   row = first_q_row(meta, half, spec.block_q)
-  first = jnp.clip(q_start - row, 0, spec.block_q)  # rows before it: a neighbour's
-  n_rows = jnp.clip(q_start + q_len - row, 0, spec.block_q) - first
+  first, n_rows = stored_rows(q_start, q_len, row, spec.block_q)
   start_pos = 0 if spec.top_left else kv_len - q_len
   row_pos = start_pos + row - q_start  # position of the row `row`
   scales = {}
@@ -1056,15 +1063,14 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
 
 
 def zero_rows(meta, half, block_q, total_rows):
-  """(start, n): the rows [start, start + n) that half ``half`` of an item stores (as
-  ``read_item``'s row + first and n_rows), given its work-list row ``meta``, cut at
+  """(start, n): the rows [start, start + n) that half ``half`` of an item stores
+  (``stored_rows``, as ``read_item``), given its work-list row ``meta``, cut at
   ``total_rows`` (a valid table has no row past it; plain stores are not clipped as
   TMA's are)."""
   row = first_q_row(meta, half, block_q)
-  q_start, q_len = meta(L.Q_START), meta(L.Q_LEN)
-  start = jnp.clip(q_start, row, row + block_q)
-  end = jnp.clip(q_start + q_len, start, row + block_q)
-  return start, jnp.clip(jnp.minimum(end, total_rows) - start, 0, block_q)
+  first, n_rows = stored_rows(meta(L.Q_START), meta(L.Q_LEN), row, block_q)
+  start = row + first
+  return start, jnp.clip(jnp.minimum(n_rows, total_rows - start), 0, block_q)
 
 
 def store_unit(spec, refs, item: Item, carry, o_smem, lse_smem):

@@ -330,13 +330,12 @@ def store_zero_rows(o_ref, start, n, h, *, max_rows: int):
   warpgroup's 128 threads, with plain 16-byte vector stores, not TMA, left in flight (the
   kernel's end makes them visible). A row's depth * itemsize bytes must be a multiple
   of 16."""
-  rows, heads, depth = o_ref.shape
+  _, heads, depth = o_ref.shape
   row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
   if row_bytes % 16:
     raise ValueError(f"store_zero_rows: a row of {row_bytes} bytes is not whole 16-byte stores")
   per_row = row_bytes // 16
   per_thread = -(-max_rows * per_row // 128)
-  del rows
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
                                 plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
