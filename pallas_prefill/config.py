@@ -183,11 +183,6 @@ class MosaicOptions:
       mask at depth 128 (on the H100 1.014x-1.026x on MHA short64, 1.012x-1.018x on
       skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
       BUILD_NOTES.md, thirty-fifth session).
-    unit_row_smem: with dynamic scheduling (not split units), the producer copies each
-      claimed unit's work-list row into shared memory with its claim, and the compute
-      warpgroups read the unit's row from there (``load_q``, ``read_item``) instead of
-      from global memory, off the unit's chain of dependent global loads (what the
-      padded call's zeros lengthen: BUILD_NOTES.md, thirty-seventh session).
   """
 
   dynamic: bool = True
@@ -211,14 +206,13 @@ class MosaicOptions:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  unit_row_smem: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
                  "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask",
-                 "column_lo_static", "narrow_last_tile", "unit_row_smem"):
+                 "column_lo_static", "narrow_last_tile"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -1184,18 +1184,6 @@ def test_fp8_compiled_matches_the_dequantized_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [Fp8Case(head_dim=128, lse=True),
-                                  Fp8Case(head_dim=128, page_size=64,
-                                          kv_lens=(5, 1, 90, 100, 64, 50))],
-                         ids=lambda c: c.name)
-def test_fp8_compiled_unit_row_smem(case):
-  """``MosaicOptions.unit_row_smem`` in FP8 (the work list's sequence column, which the
-  scales are read by, from the unit's slot)."""
-  check_fp8_case(case, interpret=False, poison=_poison, backend="mosaic_gpu",
-                 config=pp.MosaicConfig(options=pp.MosaicOptions(unit_row_smem=True)))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_fp8_compiled_write_kv_then_prefill(kind):
   check_write_kv_then_prefill(kind, interpret=False, poison=_poison)

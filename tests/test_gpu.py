@@ -613,34 +613,6 @@ def test_mosaic_register_options(case, wgs):
   check_fitting_tiles(case, compute_wgs=wgs, options=options)
 
 
-def _row_smem(case, fields=None, **options):
-  """The case with ``MosaicOptions.unit_row_smem`` (and ``options``) on, and the config's
-  ``fields``."""
-  config = case.config or pp.MosaicConfig()
-  return dataclasses.replace(case, config=dataclasses.replace(
-      config, **(fields or {}),
-      options=dataclasses.replace(config.options, unit_row_smem=True, **options)))
-
-
-@pytest.mark.parametrize("case", [
-    _row_smem(c) for c in MOSAIC_CASES[::4] if cases.mosaic_serves(c)] + [
-    _row_smem(cases.mosaic_variant(_LARGE)),
-    _row_smem(cases.mosaic_variant(_LARGE), fields=dict(num_programs=3)),
-    _row_smem(_KEYLESS),
-    _row_smem(dataclasses.replace(_KEYLESS, lse=False), keyless_units="stores"),
-    _row_smem(dataclasses.replace(_DEEPSEEK, heads=16, kv_heads=16, lse=True)),
-    _row_smem(dataclasses.replace(_LARGE, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000),
-                                  page_size=64, lse=True, sink=True)),
-], ids=lambda c: c.name)
-def test_mosaic_unit_row_smem(case):
-  """``MosaicOptions.unit_row_smem`` (issue 23 and 25's experiment, off by default): each
-  claimed unit's work-list row copied into its unit slot by the producer and read from
-  there, on every fourth case of the matrix, few programs (many units each), key-less
-  units (and their zero jobs), MLA and paged K/V (the table's sequence column; FP8:
-  ``tests/test_fp8.py``)."""
-  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
-
-
 def _poly(case, eighths):
   return dataclasses.replace(case, config=pp.MosaicConfig(
       options=pp.MosaicOptions(poly_exp2=eighths)))

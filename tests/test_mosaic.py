@@ -1001,8 +1001,7 @@ def test_split_units_need_dynamic_scheduling():
     (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
     (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units"),
     (dict(row_sum_first=1), "row_sum_first"), (dict(q_per_tile="yes"), "q_per_tile"),
-    (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static"),
-    (dict(unit_row_smem=1), "unit_row_smem")])
+    (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static")])
 def test_bad_options_raise(options, match):
   with pytest.raises(ValueError, match=match):
     pp.MosaicOptions(**options)
@@ -1140,18 +1139,6 @@ LOWERED = [
         options=pp.MosaicOptions(keyless_units="stores"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(keyless_units="stores", dynamic=False))),
-    # unit_row_smem: the units' work-list rows in shared memory (MHA with the LSE and
-    # stores' zero jobs, MLA, the static deal where it does not apply, FP8)
-    Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
-        options=pp.MosaicOptions(unit_row_smem=True))),
-    Lowered(total_q=1001, config=pp.MosaicConfig(
-        options=pp.MosaicOptions(unit_row_smem=True, keyless_units="stores"))),
-    Lowered(kind="mla", heads=16, kv_heads=16, config=pp.MosaicConfig(
-        block_kv=64, num_stages=3, options=pp.MosaicOptions(unit_row_smem=True))),
-    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(unit_row_smem=True,
-                                                            dynamic=False))),
-    Lowered(dtype="float8_e4m3fn", scale_shape=(2,), config=pp.MosaicConfig(
-        options=pp.MosaicOptions(unit_row_smem=True))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

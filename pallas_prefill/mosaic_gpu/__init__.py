@@ -175,8 +175,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile,
       column_mask=config.options.column_mask,
       column_lo_static=config.options.column_lo_static,
-      narrow_last_tile=config.options.narrow_last_tile,
-      row_width=inputs[0].shape[1] if config.options.unit_row_smem else 0)
+      narrow_last_tile=config.options.narrow_last_tile)
   kernel = functools.partial(attention_kernel, spec=spec)
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call

@@ -150,8 +150,7 @@ class KernelSpec:
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
   warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``);
-  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``); row_width: the work list's
-  columns with ``MosaicOptions.unit_row_smem``, else 0 (``rows_in_smem``).
+  narrow_last_tile: ``MosaicOptions``' (``narrow_tiles``).
   """
 
   parts: tuple
@@ -190,13 +189,6 @@ class KernelSpec:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  row_width: int = 0
-
-  @property
-  def rows_in_smem(self) -> bool:
-    """Each claimed unit's work-list row in shared memory (``MosaicOptions.unit_row_smem``:
-    ``row_width`` its columns, else 0), with dynamic scheduling and shared units."""
-    return self.row_width > 0 and self.dynamic and not self.split
 
   @property
   def narrow_tiles(self) -> bool:
@@ -342,8 +334,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel, wgs=spec.wgs,
-      unit_rows=spec.row_width if spec.rows_in_smem else 0)
+      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel, wgs=spec.wgs)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -397,29 +388,21 @@ class Units:
         n_keyless=keyless_units, head_major=refs.scalars[L.S_HEAD_MAJOR],
         spread=spec.keyless_units == "spread")
 
-  def claimed(self, u, k=None):
-    """The (head, item, half) of claimed unit u; with ``KernelSpec.rows_in_smem`` and this
-    program's claim count k, also the unit slot that holds its work-list row."""
+  def claimed(self, u):
+    """The (head, item, half) of claimed unit u."""
     if self.spec.split:
       return (*self.by_order(lax.div(u, jnp.int32(self.spec.wgs))),
               lax.rem(u, jnp.int32(self.spec.wgs)))
-    if self.spec.rows_in_smem and k is not None:
-      return (*self.by_order(u), 0, self.lane * 2 + lax.rem(k, 2))
     return (*self.by_order(u), 0)
 
   def item_of(self, hwh):
-    """Unit (head, item, half)'s head (0 for ``ALL_HEADS``), item, its table row reader
-    (from the unit's slot where ``hwh`` names one: ``KernelSpec.rows_in_smem``), its KV
-    tile range (the item's, or with split units the half's), and whose rows it computes
-    (the half, or for shared units the warpgroup's own)."""
-    h, w, half = hwh[:3]
+    """Unit (head, item, half)'s head (0 for ``ALL_HEADS``), item, its table row reader,
+    its KV tile range (the item's, or with split units the half's), and whose rows it
+    computes (the half, or for shared units the warpgroup's own)."""
+    h, w, half = hwh
     if self.spec.keyless_apart:
       h = jnp.maximum(h, 0)  # ALL_HEADS
-    if len(hwh) == 4:
-      rows, slot = self.scratch.unit_rows, hwh[3]
-      meta = lambda col: rows[slot, col]  # noqa: E731
-    else:
-      meta = lambda col: self.refs.meta[w, col]  # noqa: E731
+    meta = lambda col: self.refs.meta[w, col]  # noqa: E731
     if self.spec.split:
       return (h, w, meta, meta(L.WG_COLS + 4 * half), meta(L.WG_COLS + 4 * half + 3), half)
     return h, w, meta, meta(L.T_LO), meta(L.T_HI), self.wg
@@ -430,15 +413,8 @@ class Units:
     s = self.lane * 2 + lax.rem(k, 2)
     plgpu.barrier_wait(self.scratch.unit_ready.at[s])
     u = self.scratch.units[s]
-    if not self.spec.rows_in_smem:  # (else ``release``, once the row is read)
-      plgpu.barrier_arrive(self.scratch.unit_used.at[s])
+    plgpu.barrier_arrive(self.scratch.unit_used.at[s])
     return u
-
-  def release(self, hw):
-    """(Compute warpgroups, ``KernelSpec.rows_in_smem``) unit hw's slot is read: the
-    producer may claim into it again."""
-    if len(hw) == 4:
-      plgpu.barrier_arrive(self.scratch.unit_used.at[hw[3]])
 
   def publish(self, k):
     """(Dynamic, producer) claims this program's k-th unit, or takes the one the static
@@ -451,11 +427,6 @@ class Units:
       dealt = dealt * self.spec.wgs + self.lane
     primitives.claim(scalars, scratch.units, s, jnp.where(scalars[L.S_DEAL] != 0, dealt, -1))
     u = scratch.units[s]
-    if self.spec.rows_in_smem:
-      # The unit's work-list row into its slot (past the last unit: any row, unread).
-      w = jnp.clip(self.claimed(u)[1], 0, self.refs.meta.shape[0] - 1)
-      primitives.store_row(scratch.unit_rows, s,
-                           [self.refs.meta[w, c] for c in range(self.spec.row_width)])
     plgpu.barrier_arrive(scratch.unit_ready.at[s])
     return u
 
@@ -479,7 +450,7 @@ class Units:
       lax.fori_loop(0, n_local, static_step, jnp.int32(0))
       return
     u0 = next_unit(0)
-    pl.when(u0 < self.n_units)(lambda: first(self.claimed(u0, 0)))
+    pl.when(u0 < self.n_units)(lambda: first(self.claimed(u0)))
 
     def dynamic_step(carry):
       k, base, u = carry
@@ -487,9 +458,9 @@ class Units:
 
       def fetch_next():
         got.append(next_unit(k + 1))
-        return got[0] < self.n_units, self.claimed(got[0], k + 1)
+        return got[0] < self.n_units, self.claimed(got[0])
 
-      base = run(self.claimed(u, k), base, fetch_next, u)
+      base = run(self.claimed(u), base, fetch_next, u)
       return k + 1, base, got[0]
 
     lax.while_loop(lambda carry: carry[2] < self.n_units, dynamic_step,
@@ -643,7 +614,6 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
 
   def run(hw, base, fetch_next, u):
     item = read_item(spec, refs, units, hw, base)
-    units.release(hw)  # (``rows_in_smem``: the unit's row is read)
     def wait_q():
       plgpu.barrier_wait(scratch.q_loaded.at[wg])
       if spec.scaled_q:

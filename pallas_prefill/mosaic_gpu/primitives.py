@@ -2,8 +2,8 @@
 with a traced id, a fused multiply-add before ``ex2.approx`` (or before a polynomial exp2
 on the FMA pipes), the atomic claim of the next unit, the two-copy TMA of a row range
 whose last 8 rows may come from elsewhere, zeros stored without TMA
-(``store_zero_rows``), a row of scalars into shared memory (``store_row``), and FP8's V
-tile transposed in shared memory (``transpose_v_tile``)."""
+(``store_zero_rows``), and FP8's V tile transposed in shared memory
+(``transpose_v_tile``)."""
 
 from __future__ import annotations
 
@@ -292,25 +292,6 @@ def claim(scalar_ref, unit_smem, slot, dealt):
 
   claim_or_take(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32),
                 jnp.asarray(dealt, jnp.int32))
-
-
-def store_row(rows_ref, slot, values):
-  """One thread of the warpgroup writes ``values`` (int32 scalars) into row ``slot`` of
-  ``rows_ref`` (shared memory, [slots, len(values)] int32); the warpgroup then waits for
-  it, so that an mbarrier arrival by any of its threads publishes the row (as
-  ``claim``)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT)
-                     + (plgpu.Layout.WG_SPLAT,) * len(values))
-  def store(_, rows, s, *vals):
-    index = ir.IndexType.get()
-    s = arith.index_cast(index, s.registers[()])
-    with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
-      for c, v in enumerate(vals):
-        memref.store(v.registers[()], rows, [s, arith.constant(index, c)])
-    mgpu.utils.warpgroup_barrier()
-
-  store(rows_ref, jnp.asarray(slot, jnp.int32), *[jnp.asarray(v, jnp.int32) for v in values])
 
 
 # ``store_zero_rows``' store: 16 bytes of zeros at a global address when a row index is

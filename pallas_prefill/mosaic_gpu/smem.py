@@ -28,7 +28,7 @@ BARRIER_BYTES = 8
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
     "q", "k", "v", "p", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
-    "v_consumed", "unit_ready", "unit_used", "v_raw", "v_raw_loaded", "unit_rows"])
+    "v_consumed", "unit_ready", "unit_used", "v_raw", "v_raw_loaded"])
 @dataclasses.dataclass(frozen=True)
 class Scratch:
   """The kernel's shared memory and barriers, by name: allocation specs before
@@ -57,9 +57,6 @@ class Scratch:
       slot; ``v`` is then an untransformed view (which the producer warpgroup stores V^T
       into, ``primitives.transpose_v_tile``) and the tiled one, and ``v_loaded`` counts
       the producer's one arrival once V^T is stored.
-    unit_rows: with ``MosaicOptions.unit_row_smem``, each unit slot's work-list row
-      [2 * lanes, columns] int32, which the producer copies there with its claim; else
-      None.
   """
 
   q: list
@@ -78,22 +75,19 @@ class Scratch:
   unit_used: object
   v_raw: object = None
   v_raw_loaded: object = None
-  unit_rows: object = None
 
 
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
             pages: int, paged: bool, one_v_copy: bool = False, p_smem: bool = True,
-            vt_in_kernel: bool = False, wgs: int = L.COMPUTE_WGS,
-            unit_rows: int = 0) -> Scratch:
+            vt_in_kernel: bool = False, wgs: int = L.COMPUTE_WGS) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
   ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
   P goes through shared memory (False: from registers, no buffer); ``vt_in_kernel``: FP8's
   V^T made from V tiles in the kernel (``Scratch.v_raw``); ``wgs``: the compute
-  warpgroups (2 with ``split``); ``unit_rows``: the work list's columns where each unit
-  slot holds its row (``Scratch.unit_rows``; dynamic only), else 0."""
+  warpgroups (2 with ``split``)."""
   lanes = wgs if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else wgs  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -152,8 +146,6 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       if vt_in_kernel else None,
       v_raw_loaded=barrier(num_arrivals=pages * v_chunks, num_barriers=slots)
       if vt_in_kernel else None,
-      unit_rows=plgpu.SMEM((2 * lanes, unit_rows), jnp.int32)
-      if dynamic and unit_rows else None,
   )
 
 
@@ -197,9 +189,7 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
       p_smem=not config.options.fp8_p_registers,
-      vt_in_kernel=vt_made_in_kernel(config, v_depth), wgs=config.compute_wgs,
-      # (the table's columns at most: a paged or FP8 table's one more)
-      unit_rows=L.meta_cols(config.compute_wgs) + 1 if config.options.unit_row_smem else 0))
+      vt_in_kernel=vt_made_in_kernel(config, v_depth), wgs=config.compute_wgs))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
