@@ -140,6 +140,44 @@ def _mla_cases():
 CASES = _cases()
 MLA_CASES = _mla_cases()
 
+def random_case(rng, *, large: bool = False) -> Case:
+  """A random call of the matrix's kinds, for tests that draw fresh ones each run (the
+  caller puts its seed in the failure message): MHA (MHA, GQA, MQA) or MLA (its rope
+  shared or per head, rope depth 64 or 32), lengths from empty through the tile edges
+  (to a few thousand when ``large``), K/V packed like Q, longer (cached prefixes),
+  shorter (cross-attention) or in a shuffled paged cache, every mask, sinks, the LSE, a
+  soft cap, bf16 or f16, a negative scale now and then, the default config."""
+  kind = "mla" if rng.random() < 0.25 else "mha"
+  batch = int(rng.integers(1, 9 if large else 5))
+  edges = [0, 1, 7, 63, 64, 65, 127, 128, 129, 200] + ([1000, 2047, 4096] if large else [])
+  lens = tuple(int(x) for x in rng.choice(edges, size=batch))
+  page_size = int(rng.choice([16, 64])) if rng.random() < 0.25 else None
+  kv_lens = None
+  if page_size is not None or rng.random() < 0.4:  # pages: a cache before the new rows
+    lo = 0 if page_size is not None else -80
+    kv_lens = tuple(max(q + int(rng.integers(lo, 1500 if large else 300)), 0) for q in lens)
+  span = 2000 if large else 300
+  mask = [CAUSAL, masks.NullMask(), masks.SlidingWindowCausalMask(int(rng.integers(1, span))),
+          masks.ChunkedCausalMask(int(rng.choice([16, 64, 100, 256, 1024])))][
+              int(rng.integers(4))]
+  if kind == "mha":
+    kv_heads = int(rng.choice([1, 2, 8] if large else [1, 2]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    head_dim = int(rng.choice([128, 128, 64, 256, 96] if large else [64, 128, 32]))
+    fields = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  sink=bool(rng.random() < 0.3))
+  else:
+    heads = int(rng.choice([2, 16] if large else [2]))
+    fields = dict(heads=heads, kv_heads=heads, head_dim=128 if large else 64,
+                  rope_dim=int(rng.choice([64, 32])), shared_rope=bool(rng.random() < 0.7))
+  soft_cap = [None, None, None, 2.0, 30.0][int(rng.integers(5))]
+  return Case(kind=kind, lens=lens, kv_lens=kv_lens, mask=mask, page_size=page_size,
+              soft_cap=soft_cap, lse=bool(rng.random() < 0.5),
+              dtype="float16" if rng.random() < 0.2 else "bfloat16",
+              scale=-0.1 if rng.random() < 0.1 else None,
+              extra_rows=int(rng.integers(0, 20)), config=None, **fields)
+
+
 TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 5e-3}
 
 

@@ -455,6 +455,28 @@ def test_padded_compiled(case, backend):
   test_padded.check_padded(case, interpret=False, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_random_cases_compiled(backend):
+  """Fresh random calls each run at real sizes (``cases.random_case(large=True)``: MHA
+  and MLA, packed, prefixed, cross and paged, every mask; a failure names the case and
+  its inputs' seed), into poisoned memory. "auto" runs Mosaic GPU on Hopper."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  for _ in range(8):
+    cases.check_case(cases.random_case(rng, large=True), interpret=False,
+                     poison=poison_device_memory, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_random_padded_cases_compiled(backend):
+  """Fresh random padded calls each run at real sizes
+  (``test_padded.random_padded_case(large=True)``), padding rows poisoned."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  for _ in range(8):
+    poison_device_memory()
+    test_padded.check_padded(test_padded.random_padded_case(rng, large=True),
+                             interpret=False, backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu", None])
 @pytest.mark.parametrize("layout", ["lengths", "segments"])
 def test_padded_compiled_hlo_copies_nothing(backend, layout):

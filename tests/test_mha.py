@@ -14,6 +14,14 @@ def test_matches_reference(case):
   cases.check_case(case, interpret=True)
 
 
+def test_random_cases_match_reference():
+  """Fresh random calls each run (``cases.random_case``; a failure names the case and its
+  inputs' seed): MHA and MLA, packed, prefixed, cross and paged, every mask."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  for _ in range(4):
+    cases.check_case(cases.random_case(rng), interpret=True)
+
+
 def test_under_user_jit_with_traced_offsets():
   import jax
 

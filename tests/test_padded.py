@@ -129,6 +129,52 @@ def _cases():
 PADDED_CASES = _cases()
 
 
+def random_padded_case(rng, *, large: bool = False) -> PaddedCase:
+  """A random padded call, for tests that draw fresh ones each run (a failure names the
+  case): lengths (0, 1, full, off the tiles) for queries and keys alike, or the keys'
+  own over a longer or shorter S (cross-attention), or segment ids (runs of random
+  lengths, padding anywhere, MaxText's 0, Levanter's -1 or none); MHA, GQA or MQA,
+  causal or not, the windows the masks express, sinks, the LSE, a soft cap, bf16 or
+  f16, the lengths or ids traced under jit now and then."""
+  b = int(rng.integers(1, 6))
+  t = int(rng.choice([1000, 2048, 4096] if large else [16, 37, 64, 129]))
+  kv_heads = int(rng.choice([1, 2, 8] if large else [1, 2]))
+  causal = bool(rng.random() < 0.7)
+  left, right = int(rng.integers(0, t)), int(rng.integers(0, t))
+  windows = [None, None, (left, 0)] + ([left, (left, right)] if causal else [])
+  fields = dict(
+      t=t, heads=kv_heads * int(rng.choice([1, 2, 4])), kv_heads=kv_heads,
+      head_dim=int(rng.choice([128, 64] if large else [32, 64, 128])),
+      dtype="float16" if rng.random() < 0.2 else "bfloat16", is_causal=causal,
+      window=windows[int(rng.integers(len(windows)))], sink=bool(rng.random() < 0.3),
+      lse=bool(rng.random() < 0.5), soft_cap=[None, None, 2.0, 30.0][int(rng.integers(4))],
+      jit=bool(rng.random() < 0.2))
+  lengths = lambda n, size: tuple(  # noqa: E731
+      int(rng.choice([0, 1, size, int(rng.integers(0, size + 1))])) for _ in range(n))
+  layout = int(rng.integers(3))
+  if layout == 0:
+    return PaddedCase(q_lens=lengths(b, t), kv_lens="same", **fields)
+  if layout == 1:
+    s = int(rng.choice([1, t // 2 + 1, 2 * t + 3]))
+    return PaddedCase(s=s, q_lens=lengths(b, t),
+                      kv_lens=lengths(b, s) if rng.random() < 0.8 else None, **fields)
+  padding_id = [0, -1, None][int(rng.integers(3))]
+  rows = []
+  for _ in range(b):
+    row, next_id = [], 1
+    while len(row) < t:
+      n = int(rng.integers(1, max(2, t // 3)))
+      if padding_id is not None and rng.random() < 0.25:
+        row += [padding_id] * n
+      else:
+        row += [next_id] * n
+        next_id += 1
+    rows.append(tuple(row[:t]))
+  most = max(max(len(r) for r in _runs(rows, padding_id)), 1)
+  return PaddedCase(q_lens=None, kv_lens=None, segments=tuple(rows), padding_id=padding_id,
+                    max_segments=1 << (most - 1).bit_length(), **fields)
+
+
 def make_inputs(case: PaddedCase, seed: int, *, poison):
   """(args, kwargs, real [b, t] bool, clean args): q, k, v with every padding row set to
   `poison` (NaN where the backend must never read them, a large finite value where it
@@ -247,6 +293,14 @@ def test_padded_interpret(case):
 
 # --------------------------------------------------------------------------------------
 # Lowering for an H200: both backends, and nothing copied around the kernel.
+
+def test_random_padded_cases_interpret():
+  """Fresh random padded calls each run (``random_padded_case``; a failure names the
+  case and its inputs' seed)."""
+  rng = np.random.default_rng(shared.fresh_seed())
+  for _ in range(4):
+    check_padded(random_padded_case(rng), interpret=True)
+
 
 def _lower(backend, *, lengths=True, segments=False, b=4, t=512, heads=8, kv_heads=2,
            depth=128, soft_cap=None):
