@@ -5,21 +5,27 @@
 # reference with poisoned memory), then its arms in one process, 3 rounds in turns, on
 # the padded and packed MHA skew16_16k and short64 (the padded call's time against the
 # packed one per arm: "first", the default, against "stores" and "spread"). Results in
-# $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two.
+# $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two;
+# NO_SPREAD=1 leaves the "spread" arm out; TESTS_S and ARMS_S bound the two parts'
+# seconds (200, 300); TESTS_K replaces the tests' -k. The thirty-eighth session ran
+# `NO_SPREAD=1 WORKLOADS=skew16_16k TESTS_S=100 ARMS_S=120 TESTS_K="test_padded_keyless_stores
+# or (test_mosaic_keyless_units and stores)"` on the zero jobs pipelined one deep.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 if [ -z "${SKIP_TESTS:-}" ]; then
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 200 python3 -m pytest -q -m gpu \
-    tests/test_gpu.py -p no:cacheprovider -n 8 -k "test_mosaic_keyless_units \
-    or test_padded_keyless_stores" > "$out/gpu-tests.log" 2>&1
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu \
+    tests/test_gpu.py -p no:cacheprovider -n 8 \
+    -k "${TESTS_K:-test_mosaic_keyless_units or test_padded_keyless_stores}" > "$out/gpu-tests.log" 2>&1
   echo "== GPU tests (rc $?)"; tail -4 "$out/gpu-tests.log" | cut -c1-300
 fi
+spread=(--arm spread "keyless_units='spread'")
+[ -n "${NO_SPREAD:-}" ] && spread=()
 # shellcheck disable=SC2086
-timeout 300 python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
-  --arm first --arm stores "keyless_units='stores'" --arm spread "keyless_units='spread'" \
+timeout "${ARMS_S:-300}" python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
+  --arm first --arm stores "keyless_units='stores'" "${spread[@]}" \
   --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
   --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
 echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -20
