@@ -7,9 +7,10 @@
 # packed one per arm: "first", the default, against "stores" and "spread"). Results in
 # $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two;
 # NO_SPREAD=1 leaves the "spread" arm out; TESTS_S and ARMS_S bound the two parts'
-# seconds (200, 300); TESTS_K replaces the tests' -k. The thirty-eighth session ran
+# seconds (200, 300); TESTS_K replaces the tests' -k. For one short call (the
+# thirty-eighth session's plan for commit 707386e, the zero jobs pipelined one deep):
 # `NO_SPREAD=1 WORKLOADS=skew16_16k TESTS_S=100 ARMS_S=120 TESTS_K="test_padded_keyless_stores
-# or (test_mosaic_keyless_units and stores)"` on the zero jobs pipelined one deep.
+# or (test_mosaic_keyless_units and stores)"`.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"

@@ -1020,27 +1020,16 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
   key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
   warpgroup's rows of the job's key-less item on the job's head, by plain stores
   (``primitives.store_zero_rows``) that stay in flight while the next unit computes.
-  Pipelined one job deep: job m + 1's work-list reads are issued before job m's stores,
-  so that only the first job's reads wait on global memory (ncu, thirty-eighth session:
-  the loop waited on each job's reads in turn). (Reading the first four jobs' rows before
-  the epilogue, all at once, lost on the H200: BUILD_NOTES.md, thirty-seventh session.)"""
+  (Reading the first four jobs' rows before the epilogue, all at once, lost on the H200:
+  BUILD_NOTES.md, thirty-seventh session.)"""
   first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
                                    n_keyless=units.n_keyless)
-  last_item = refs.meta.shape[0] - 1
 
-  def job(m):  # (head, first row, rows); past the last job: any in-bounds row, unused
+  @pl.loop(0, count)
+  def _job(m):
     h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
-    w = jnp.minimum(w, last_item)
-    return (h, *zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0]))
-
-  def step(m, this):
-    upcoming = job(m + 1)
-    primitives.store_zero_rows(refs.o, this[1], this[2], this[0], max_rows=spec.block_q)
-    return upcoming
-
-  @pl.when(count > 0)
-  def _jobs():
-    lax.fori_loop(0, count, step, job(0))
+    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
+    primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
 
 
 def zero_rows(meta, half, block_q, total_rows):
