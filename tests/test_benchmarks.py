@@ -754,6 +754,34 @@ def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
                      "  sm__inst_executed_pipe_xu.avg.pct = 34.3"]
 
 
+def test_ncu_source_summary_reads_a_source_page(tmp_path, capsys):
+  """benchmarks.experiments.ncu_source_summary on a gzipped ncu source page (ncu's own
+  lines first, a work-list kernel before the attention kernel): the last Mosaic GPU
+  kernel's samples by reason and opcode (predicates and modifiers dropped), its hottest
+  instruction first."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  from benchmarks.experiments import ncu_source_summary  # pylint: disable=g-import-not-at-top
+  header = ('"Address","Source","Warp Stall Sampling (All Samples)",'
+            '"Instructions Executed","stall_long_sb","stall_wait"\n')
+  text = ("==PROF== Connected to process 1\n"
+          '"Kernel Name","anonymous_mosaic_gpu_kernel",\n' + header
+          + '"0x10","LDG.E R1, [R2]","99","4","99","0"\n'
+          '"Kernel Name","anonymous_mosaic_gpu_kernel",\n' + header
+          + '"0x7f00000a0","@!P2  BRA 0x7f00000b0","5","8","5","0"\n'
+          '"0x7f00000b0","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","7","8","0","7"\n'
+          '"0x7f00000c0","@P0   BRA.U 0x7f00000a0","1","8","0","1"\n')
+  path = tmp_path / "src.csv.gz"
+  with gzip.open(path, "wt") as f:
+    f.write(text)
+  ncu_source_summary.main([str(path), "--top", "1"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith(": 13 samples, 3 instructions"), out
+  assert out[1] == "  by reason: wait 8, long_sb 5", out
+  assert out[2] == "  by opcode: HGMMA 7, BRA 6", out
+  assert out[3].startswith("  000b0      7 samples, long_sb     0, executed        8: HGMMA"), out
+  assert len(out) == 4
+
+
 def test_poly_exp2_experiment_arms_in_turns(tmp_path, monkeypatch, capsys):
   """benchmarks.experiments.poly_exp2 with stand-in systems (the Mosaic GPU kernel needs a
   Hopper GPU): an arm per system and eighths, each prepared with that ``poly_exp2``,

@@ -1,0 +1,91 @@
+"""A short summary of Nsight Compute's source page (a row per SASS instruction with its
+warp stall samples), as ``benchmarks/experiments/ncu_source.sh`` writes it (gzipped):
+for the attention kernel (the last Mosaic GPU kernel of the call), its stall samples in
+all and by reason, by opcode, and the instructions with the most samples.
+
+    python -m benchmarks.experiments.ncu_source_summary A.csv.gz B.csv.gz ... [--top 12]
+
+The thirty-eighth session's reading of MHA skew16_16k (BUILD_NOTES.md): the padded
+call's extra samples sit on the zeros' stores (TMA store issue under "first", the zero
+jobs' work-list reads under "stores") and on the producer's barrier waits, not on the
+matrix products.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import gzip
+import io
+
+ALL = "Warp Stall Sampling (All Samples)"
+
+
+def kernels(path):
+  """[(kernel name, header, rows)] of a source-page CSV (plain or gzipped), one per
+  profiled kernel, in launch order."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    lines = f.read().splitlines()
+  found, name, body = [], None, []
+  for line in lines + ['"Kernel Name",""']:  # (a sentinel closes the last kernel)
+    if line.startswith('"Kernel Name"'):
+      if name is not None and body:
+        table = list(csv.reader(io.StringIO("\n".join(body))))
+        header = table[0]
+        found.append((name, header, [r for r in table[1:] if len(r) >= len(header)]))
+      name, body = next(csv.reader([line]))[1], []
+    elif name is not None:
+      body.append(line)
+  return found
+
+
+def number(x) -> float:
+  try:
+    return float(x)
+  except ValueError:
+    return 0.0
+
+
+def opcode(sass: str) -> str:
+  """The SASS instruction's opcode without modifiers or predicate (``@!P2 BRA`` -> BRA)."""
+  words = sass.split()
+  words = words[1:] if words and words[0].startswith("@") else words
+  return words[0].split(".")[0] if words else ""
+
+
+def summary(path: str, top: int) -> str:
+  mosaic = [k for k in kernels(path) if k[0].startswith("anonymous_mosaic_gpu_kernel")]
+  if not mosaic:
+    return f"{path}: no Mosaic GPU kernel"
+  _, header, rows = mosaic[-1]
+  col = {h: i for i, h in enumerate(header)}
+  value = lambda r, name: number(r[col[name]])  # noqa: E731
+  reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+  total = sum(value(r, ALL) for r in rows)
+  by_reason = collections.Counter({h[len("stall_"):]: sum(value(r, h) for r in rows)
+                                   for h in reasons})
+  by_op = collections.Counter()
+  for r in rows:
+    by_op[opcode(r[col["Source"]])] += value(r, ALL)
+  lines = [f"{path}: {total:.0f} samples, {len(rows)} instructions",
+           "  by reason: " + ", ".join(f"{k} {v:.0f}" for k, v in by_reason.most_common(8)),
+           "  by opcode: " + ", ".join(f"{k} {v:.0f}" for k, v in by_op.most_common(12))]
+  for r in sorted(rows, key=lambda r: -value(r, ALL))[:top]:
+    lines.append(f"  {r[col['Address']][-5:]} {value(r, ALL):6.0f} samples, long_sb "
+                 f"{value(r, 'stall_long_sb'):5.0f}, executed "
+                 f"{value(r, 'Instructions Executed'):8.0f}: {r[col['Source']][:70]}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("files", nargs="+")
+  parser.add_argument("--top", type=int, default=12)
+  args = parser.parse_args(argv)
+  print("\n".join(summary(f, args.top) for f in args.files))
+
+
+if __name__ == "__main__":
+  main()
