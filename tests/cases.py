@@ -140,9 +140,10 @@ def _mla_cases():
 CASES = _cases()
 MLA_CASES = _mla_cases()
 
+
 def random_case(rng, *, large: bool = False) -> Case:
-  """A random call of the matrix's kinds, for tests that draw fresh ones each run (the
-  caller puts its seed in the failure message): MHA (MHA, GQA, MQA) or MLA (its rope
+  """A random call of the matrix's kinds, for tests that draw fresh ones each run
+  (``check_random_draws``): MHA (MHA, GQA, MQA) or MLA (its rope
   shared or per head, rope depth 64 or 32), lengths from empty through the tile edges
   (to a few thousand when ``large``), K/V packed like Q, longer (cached prefixes),
   shorter (cross-attention) or in a shuffled paged cache, every mask, sinks, the LSE, a
@@ -176,6 +177,20 @@ def random_case(rng, *, large: bool = False) -> Case:
               dtype="float16" if rng.random() < 0.2 else "bfloat16",
               scale=-0.1 if rng.random() < 0.1 else None,
               extra_rows=int(rng.integers(0, 20)), config=None, **fields)
+
+
+def check_random_draws(draw, check, n: int):
+  """check(draw(rng)) on n fresh random cases (``random_case``, the padded tests'
+  ``random_padded_case``); a failure carries the draws' seed and the case's index, which
+  give the case again: ``draw`` n times from ``np.random.default_rng(seed)``."""
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  for i in range(n):
+    try:
+      check(draw(rng))
+    except Exception as e:
+      e.add_note(f"random case {i} of draw seed {seed}")
+      raise
 
 
 TOLERANCE = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 5e-3}

@@ -458,23 +458,25 @@ def test_padded_compiled(case, backend):
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_random_cases_compiled(backend):
   """Fresh random calls each run at real sizes (``cases.random_case(large=True)``: MHA
-  and MLA, packed, prefixed, cross and paged, every mask; a failure names the case and
-  its inputs' seed), into poisoned memory. "auto" runs Mosaic GPU on Hopper."""
-  rng = np.random.default_rng(cases.fresh_seed())
-  for _ in range(8):
-    cases.check_case(cases.random_case(rng, large=True), interpret=False,
-                     poison=poison_device_memory, backend=backend)
+  and MLA, packed, prefixed, cross and paged, every mask; a failure names the draws'
+  seed), into poisoned memory. "auto" runs Mosaic GPU on Hopper."""
+  cases.check_random_draws(
+      lambda rng: cases.random_case(rng, large=True),
+      lambda case: cases.check_case(case, interpret=False, poison=poison_device_memory,
+                                    backend=backend), 8)
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_random_padded_cases_compiled(backend):
   """Fresh random padded calls each run at real sizes
   (``test_padded.random_padded_case(large=True)``), padding rows poisoned."""
-  rng = np.random.default_rng(cases.fresh_seed())
-  for _ in range(8):
+
+  def check(case):
     poison_device_memory()
-    test_padded.check_padded(test_padded.random_padded_case(rng, large=True),
-                             interpret=False, backend=backend)
+    test_padded.check_padded(case, interpret=False, backend=backend)
+
+  cases.check_random_draws(lambda rng: test_padded.random_padded_case(rng, large=True),
+                           check, 8)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu", None])

@@ -15,11 +15,10 @@ def test_matches_reference(case):
 
 
 def test_random_cases_match_reference():
-  """Fresh random calls each run (``cases.random_case``; a failure names the case and its
-  inputs' seed): MHA and MLA, packed, prefixed, cross and paged, every mask."""
-  rng = np.random.default_rng(cases.fresh_seed())
-  for _ in range(4):
-    cases.check_case(cases.random_case(rng), interpret=True)
+  """Fresh random calls each run (``cases.random_case``; a failure names the draws'
+  seed): MHA and MLA, packed, prefixed, cross and paged, every mask."""
+  cases.check_random_draws(cases.random_case,
+                           lambda case: cases.check_case(case, interpret=True), 4)
 
 
 def test_under_user_jit_with_traced_offsets():

@@ -130,8 +130,8 @@ PADDED_CASES = _cases()
 
 
 def random_padded_case(rng, *, large: bool = False) -> PaddedCase:
-  """A random padded call, for tests that draw fresh ones each run (a failure names the
-  case): lengths (0, 1, full, off the tiles) for queries and keys alike, or the keys'
+  """A random padded call, for tests that draw fresh ones each run
+  (``cases.check_random_draws``): lengths (0, 1, full, off the tiles) for queries and keys alike, or the keys'
   own over a longer or shorter S (cross-attention), or segment ids (runs of random
   lengths, padding anywhere, MaxText's 0, Levanter's -1 or none); MHA, GQA or MQA,
   causal or not, the windows the masks express, sinks, the LSE, a soft cap, bf16 or
@@ -291,16 +291,15 @@ def test_padded_interpret(case):
   check_padded(case, interpret=True)
 
 
-# --------------------------------------------------------------------------------------
-# Lowering for an H200: both backends, and nothing copied around the kernel.
-
 def test_random_padded_cases_interpret():
   """Fresh random padded calls each run (``random_padded_case``; a failure names the
-  case and its inputs' seed)."""
-  rng = np.random.default_rng(shared.fresh_seed())
-  for _ in range(4):
-    check_padded(random_padded_case(rng), interpret=True)
+  draws' seed)."""
+  shared.check_random_draws(random_padded_case,
+                            lambda case: check_padded(case, interpret=True), 4)
 
+
+# --------------------------------------------------------------------------------------
+# Lowering for an H200: both backends, and nothing copied around the kernel.
 
 def _lower(backend, *, lengths=True, segments=False, b=4, t=512, heads=8, kv_heads=2,
            depth=128, soft_cap=None):
