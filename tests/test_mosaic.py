@@ -485,10 +485,10 @@ def program_units(programs, n_live, heads, group, head_major, n_keyed=None, spre
   def jobs(u):
     if not stores:
       return []
-    first, count, stride = (int(x) for x in schedule.zero_jobs(
+    count, stride = (int(x) for x in schedule.zero_jobs(
         jnp.int32(u), num_heads=heads, n_keyed=jnp.int32(n_keyed), n_keyless=n_keyless))
     return [tuple(int(x) for x in schedule.zero_job(
-        jnp.int32(first + m * stride), num_heads=heads, n_keyed=jnp.int32(n_keyed)))
+        jnp.int32(u + m * stride), num_heads=heads, n_keyed=jnp.int32(n_keyed)))
             for m in range(count)]
 
   units = [tuple(int(x) for x in unit(u)) + (jobs(u),)

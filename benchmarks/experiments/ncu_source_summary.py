@@ -19,6 +19,8 @@ import csv
 import gzip
 import io
 
+from benchmarks.experiments.ncu_summary import number
+
 ALL = "Warp Stall Sampling (All Samples)"
 
 
@@ -41,13 +43,6 @@ def kernels(path):
   return found
 
 
-def number(x) -> float:
-  try:
-    return float(x)
-  except ValueError:
-    return 0.0
-
-
 def opcode(sass: str) -> str:
   """The SASS instruction's opcode without modifiers or predicate (``@!P2 BRA`` -> BRA)."""
   words = sass.split()
@@ -61,7 +56,7 @@ def summary(path: str, top: int) -> str:
     return f"{path}: no Mosaic GPU kernel"
   _, header, rows = mosaic[-1]
   col = {h: i for i, h in enumerate(header)}
-  value = lambda r, name: number(r[col[name]])  # noqa: E731
+  value = lambda r, name: number(r[col[name]]) or 0.0  # noqa: E731  (blank: none)
   reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
   total = sum(value(r, ALL) for r in rows)
   by_reason = collections.Counter({h[len("stall_"):]: sum(value(r, h) for r in rows)

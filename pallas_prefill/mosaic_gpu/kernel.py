@@ -1022,12 +1022,12 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
   (``primitives.store_zero_rows``) that stay in flight while the next unit computes.
   (Reading the first four jobs' rows before the epilogue, all at once, lost on the H200:
   BUILD_NOTES.md, thirty-seventh session.)"""
-  first, count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
-                                   n_keyless=units.n_keyless)
+  count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
+                            n_keyless=units.n_keyless)
 
   @pl.loop(0, count)
   def _job(m):
-    h, w = zero_job(first + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
+    h, w = zero_job(u + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
     start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
     primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
 

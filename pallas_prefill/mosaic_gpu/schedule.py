@@ -96,16 +96,15 @@ def unit_of(unit, *, num_heads, group, n_keyed, n_keyless, head_major, spread=Fa
 
 
 def zero_jobs(unit, *, num_heads, n_keyed, n_keyless):
-  """``MosaicOptions.keyless_units="stores"``: keyed unit `unit`'s zero jobs, as (first,
-  count, stride): jobs first, first + stride, ... (count of them) of the n_keyless *
-  num_heads jobs, one per (head, key-less item) (``zero_job``), so that every job falls
-  to exactly one of the n_keyed * num_heads keyed units whatever order they run in. No
-  keyed unit: no job (the key-less items then run as units, ``stores_keyless_units``)."""
+  """``MosaicOptions.keyless_units="stores"``: keyed unit `unit`'s zero jobs, as (count,
+  stride): jobs unit, unit + stride, ... (count of them) of the n_keyless * num_heads
+  jobs, one per (head, key-less item) (``zero_job``), so that every job falls to exactly
+  one of the n_keyed * num_heads keyed units whatever order they run in. No keyed unit:
+  no job (the key-less items then run as units, ``stores_keyless_units``)."""
   keyed_units = n_keyed * num_heads
   jobs = jnp.where(keyed_units > 0, n_keyless * num_heads, 0)
   stride = jnp.maximum(keyed_units, 1)
-  count = lax.div(jnp.maximum(jobs - unit, 0) + stride - 1, stride)
-  return unit, count, stride
+  return lax.div(jnp.maximum(jobs - unit, 0) + stride - 1, stride), stride
 
 
 def zero_job(job, *, num_heads, n_keyed):
