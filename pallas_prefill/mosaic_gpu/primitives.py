@@ -268,6 +268,15 @@ def fp8_operand_pairs(cols: int, *, group: int = 0, groups: int = 1):
           for g in range(width // 16) for h in range(2)]
 
 
+def read_only_ref() -> plgpu.RefType:
+  """``inline_mgpu``'s type of a ref argument that the inlined code only reads. jax 0.12.1
+  refuses a kernel whose inlined code may write to an input passed as an array, and
+  ``RefType()`` says it may; ``RefType(write=False)`` says it does not. jax 0.11's
+  ``RefType`` has no such field (and no such check): there the plain one."""
+  fields = getattr(plgpu.RefType, "__dataclass_fields__", {})
+  return plgpu.RefType(write=False) if "write" in fields else plgpu.RefType()
+
+
 def claim(scalar_ref, unit_smem, slot, dealt):
   """One thread of the warpgroup writes the next unit to ``unit_smem[slot]``: ``dealt``
   where it is not negative, else the one it takes from the global counter (an atomic add

@@ -30,6 +30,7 @@ from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
 from jax._src.lib.mlir.dialects import arith, memref, vector
 
 from pallas_prefill.mosaic_gpu import layout as L
+from pallas_prefill.mosaic_gpu import primitives
 from pallas_prefill.mosaic_gpu import schedule
 from pallas_prefill.mosaic_gpu import work_list as xla
 
@@ -87,7 +88,7 @@ class Ops:
     n = idx.shape[0]
     idx = plgpu.layout_cast(idx, _layout(n))  # (a constant's layout is a splat)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _layout(n)),
+    @plgpu.inline_mgpu(arg_types=(primitives.read_only_ref(), _layout(n)),
                        return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32,
                                                           layout=_layout(n)))
     def load(_, r, ix):
