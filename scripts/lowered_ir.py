@@ -155,8 +155,7 @@ def canonical_text(fn, args) -> str:
   module = lowered.compiler_ir("stablehlo")
   parts = [_EMBEDDED.sub(r'\1 = "<embedded>"',
                          module.operation.get_asm(enable_debug_info=False))]
-  parts += [lowered_lib.kernel_text(kind, data)
-            for kind, data in lowered_lib.kernel_modules(module)]
+  parts += lowered_lib.kernel_texts(module)
   return "\n// ---- embedded kernel module ----\n".join(parts)
 
 

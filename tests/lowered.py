@@ -4,6 +4,8 @@ Mosaic GPU MLIR) printed as text without locations. Shared by the lowering tests
 
 from __future__ import annotations
 
+import re
+
 from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-direct-tensorflow-import
 from jax.extend.mlir import ir
 
@@ -62,3 +64,12 @@ def kernel_text(kind: str, data: bytes) -> str:
       # pylint: disable-next=protected-access
       parsed = mgpu_core._run_serde_pass(parsed, serialize=False)
     return parsed.operation.get_asm(enable_debug_info=False)
+
+
+def kernel_texts(module) -> list[str]:
+  """``kernel_text`` of each of a lowered module's kernels (``kernel_modules``), Mosaic
+  GPU's dump name taken out (jax 0.11 numbers it per process): the same kernel lowered
+  twice gives the same text on every jax version. (``as_text()`` does not on jax 0.11,
+  whose custom call holds the serialized module, that name and a hash included.)"""
+  return [re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', 'mosaic_gpu.dump_basename = ""',
+                 kernel_text(*k)) for k in kernel_modules(module)]

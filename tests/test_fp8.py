@@ -727,15 +727,17 @@ def test_fp8_wide_tiles_lower_for_an_h200():
 def test_fp8_p_registers_reach_the_kernel_only_where_asked():
   """``MosaicOptions.fp8_p_registers`` (the default): P as an A operand from registers
   (the register fence before the product) and no shared-memory store of P, MHA and MLA;
-  the reverse with the option off."""
+  the reverse with the option off (its kernel's text, ``Lowered.kernels``)."""
   from tests.test_mosaic import Lowered  # pylint: disable=g-import-not-at-top
   off = pp.MosaicConfig(options=pp.MosaicOptions(fp8_p_registers=False))
   fence, store = "nvvm.wgmma.fence.aligned", "llvm.store"
   for kw in (dict(), dict(kind="mla", heads=4, kv_heads=4, scale_shape=(4,))):
-    with_p = Lowered(dtype="float8_e4m3fn", **kw).lower().as_text()
-    without = Lowered(dtype="float8_e4m3fn", config=off, **kw).lower().as_text()
+    with_p = Lowered(dtype="float8_e4m3fn", **kw).kernels()
+    without = Lowered(dtype="float8_e4m3fn", config=off, **kw).kernels()
     assert fence in with_p and fence not in without, kw
-    assert store in without and store not in with_p, kw
+    # (jax 0.11 lowers other stores of the kernel as llvm.store too: P's are the
+    # difference; jax 0.12 has none besides them)
+    assert without.count(store) > with_p.count(store), kw
 
 
 @pytest.mark.parametrize("q_dtype", [None, "bfloat16"])

@@ -1072,6 +1072,12 @@ class Lowered:
     from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
     return lower_for_h200(fn, *args)
 
+  def kernels(self) -> str:
+    """The lowered kernels' modules as text (``lowered.kernel_texts``): what tests that
+    compare two kernels compare, the same on every jax version."""
+    from tests import lowered  # pylint: disable=g-import-not-at-top
+    return "\n".join(lowered.kernel_texts(self.lower().compiler_ir()))
+
 
 def POLY(eighths):  # noqa: N802 (reads as a config constant in the table below)
   return pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=eighths))
@@ -1221,7 +1227,7 @@ def test_soft_cap_reaches_the_default_config():
                      for cap in (True, False))
   assert (capped.compute_wgs, plain.compute_wgs) == (3, 2)
   text = lambda config: Lowered(soft_cap=30.0, max_prompt_len=4096,  # noqa: E731
-                                config=config).lower().as_text()
+                                config=config).kernels()
   default = text(None)
   assert default == text(capped)
   assert default != text(plain)
@@ -1356,7 +1362,7 @@ def test_column_lo_static_drops_the_lower_compare(mask, dropped):
   is the same elsewhere (the option does nothing on sliding-window and chunked masks,
   and on aligned tiles)."""
   def text(config):
-    return Lowered(mask=mask, config=config).lower().as_text()
+    return Lowered(mask=mask, config=config).kernels()
   aligned = lambda c: dataclasses.replace(c, options=dataclasses.replace(  # noqa: E731
       c.options, batch_invariant=False))
   assert (text(LO_STATIC(2)) != text(REGISTERS(2))) == dropped
@@ -1371,7 +1377,7 @@ def test_narrow_last_tile_changes_the_kernel_where_it_serves():
     return dataclasses.replace(c, options=dataclasses.replace(c.options,
                                                               narrow_last_tile=True))
   def text(config, dtype="bfloat16"):
-    return Lowered(dtype=dtype, config=config).lower().as_text()
+    return Lowered(dtype=dtype, config=config).kernels()
   poly = pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4))
   fp8 = pp.MosaicConfig(block_kv=128, num_stages=2, compute_wgs=3)
   for config, dtype, changed in (

@@ -8,7 +8,7 @@ running this at both commits and comparing (the thirty-seventh session's check):
     diff /tmp/old.txt new.txt
 
 Each line: the call, and the first 12 hex digits of the SHA-1 of the attention kernel's
-lowered module text (``tests/lowered.py``'s ``kernel_text``). The calls: MHA 32/8 at
+lowered module text (``tests/lowered.py``'s ``kernel_texts``). The calls: MHA 32/8 at
 depth 128 at max_prompt_len 512, 4096 and 16384 (the defaults' three regimes), with and
 without the LSE; a sliding window; MLA 192/128; ``dot_product_attention`` on a padded
 batch.
@@ -29,7 +29,7 @@ from tests.test_lowering import lower_for_h200
 
 def kernel_hash(fn, *args) -> str:
   module = lower_for_h200(fn, *args).compiler_ir()
-  text = [lowered.kernel_text(*k) for k in lowered.kernel_modules(module)][-1]
+  text = lowered.kernel_texts(module)[-1]
   return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
