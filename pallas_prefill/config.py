@@ -92,11 +92,6 @@ class MosaicOptions:
       TMA: the SM's TMA unit keeps loading K/V), so that the zeros spread thinly over
       the whole call; "first" where the call returns the LSE, with split units, or at
       run time when no item has a KV tile (issue 23, thirty-seventh session).
-    zero_jobs_pipelined: with ``keyless_units="stores"``, a unit's zero jobs pipelined
-      one deep: job m + 1's work-list reads issued before job m's stores, so that only
-      the first job's reads wait on global memory (``kernel.store_zero_jobs``); False:
-      each job reads its row, then stores (ncu, thirty-eighth session: the loop waits on
-      each job's reads in turn).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the
@@ -198,7 +193,6 @@ class MosaicOptions:
   tile_spans_pages: bool = True
   skip_keyless_q: bool = True
   keyless_units: str = "first"
-  zero_jobs_pipelined: bool = False
   batch_invariant: bool = True
   poly_exp2: int = 0
   fp8_vt_kernel: bool = True
@@ -215,7 +209,7 @@ class MosaicOptions:
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
-                 "skip_keyless_q", "zero_jobs_pipelined", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
+                 "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
                  "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask",
                  "column_lo_static", "narrow_last_tile"):

@@ -530,16 +530,13 @@ def test_padded_keyless_units_per_head(case, skip_q):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"
                                   and not c.lse], ids=lambda c: c.name)
-def test_padded_keyless_stores(case, pipelined):
+def test_padded_keyless_stores(case):
   """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
   zeros as jobs of the keyed units, by plain stores (every other padded test runs the
-  default's key-less units), one job after the other or pipelined one deep
-  (``zero_jobs_pipelined``). The results stay exact and every padding row zero."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores",
-                                                    zero_jobs_pipelined=pipelined))
+  default's key-less units). The results stay exact and every padding row zero."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores"))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
@@ -575,16 +572,6 @@ def _options(case, **kw):
              keyless_units="stores"),
     _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513),
                                  extra_rows=600), keyless_units="stores"),
-    # ... pipelined one deep (the next job's work-list reads before this job's stores)
-    _options(dataclasses.replace(_KEYLESS, lse=False), keyless_units="stores",
-             zero_jobs_pipelined=True),
-    _options(dataclasses.replace(_KEYLESS, lse=False, sink=False, heads=4, kv_heads=1,
-                                 lens=(3000, 0, 7, 1000, 64, 65, 1),
-                                 kv_lens=(5, 0, 0, 0, 0, 0, 0)), keyless_units="stores",
-             zero_jobs_pipelined=True, dynamic=False),
-    _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513),
-                                 extra_rows=600), keyless_units="stores",
-             zero_jobs_pipelined=True),
     dataclasses.replace(_KEYLESS, head_dim=256, kv_heads=2, heads=8),  # one output buffer
     dataclasses.replace(_KEYLESS, lse=False, sink=False, head_dim_v=64),
     dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,

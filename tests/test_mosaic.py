@@ -1145,8 +1145,6 @@ LOWERED = [
         options=pp.MosaicOptions(keyless_units="stores"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(keyless_units="stores", dynamic=False))),
-    Lowered(total_q=1001, sink=True, config=pp.MosaicConfig(options=pp.MosaicOptions(
-        keyless_units="stores", zero_jobs_pipelined=True))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

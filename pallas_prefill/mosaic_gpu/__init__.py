@@ -163,7 +163,6 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
       keyless_units=keyless_units(config, return_lse),
-      zero_jobs_pipelined=config.options.zero_jobs_pipelined,
       poly_exp2=config.options.poly_exp2,
       # (bf16 only: P in float16 would flush the small probabilities of a row whose
       # scores all lie far below the fixed maximum, and Q times scale / cap its small

@@ -136,7 +136,7 @@ class KernelSpec:
   block table); fold_scale:
   ``MosaicOptions.fold_scale``; soft_cap: None, or the logit soft cap times log2(e)
   (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
-  skip_keyless_q, keyless_units, zero_jobs_pipelined: ``MosaicOptions``'; kv_unit: the unit of the work list's
+  skip_keyless_q, keyless_units: ``MosaicOptions``'; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
   (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
   ``MosaicOptions.poly_exp2``; fixed_max: None, or the soft-capped scores' fixed maximum
@@ -177,7 +177,6 @@ class KernelSpec:
   top_left: bool = False
   skip_keyless_q: bool = True
   keyless_units: str = "per_head"
-  zero_jobs_pipelined: bool = False
   kv_unit: int = 8
   poly_exp2: int = 0
   fixed_max: float | None = None
@@ -1021,36 +1020,16 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
   key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
   warpgroup's rows of the job's key-less item on the job's head, by plain stores
   (``primitives.store_zero_rows``) that stay in flight while the next unit computes.
-  ``zero_jobs_pipelined``: job m + 1's work-list reads are issued before job m's stores,
-  so that only the first job's reads wait on global memory (ncu, thirty-eighth session:
-  the loop waited on each job's reads in turn). (Reading the first four jobs' rows before
-  the epilogue, all at once, lost on the H200: BUILD_NOTES.md, thirty-seventh session.)"""
+  (Reading the first four jobs' rows before the epilogue, all at once, lost on the H200:
+  BUILD_NOTES.md, thirty-seventh session.)"""
   count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
                             n_keyless=units.n_keyless)
-  last_item = refs.meta.shape[0] - 1
 
-  def job(m):  # (head, first row, rows); past the last job: an in-bounds row, unused
+  @pl.loop(0, count)
+  def _job(m):
     h, w = zero_job(u + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
-    if spec.zero_jobs_pipelined:
-      w = jnp.minimum(w, last_item)
-    return (h, *zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0]))
-
-  def store(this):
-    h, start, n = this
+    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
     primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
-
-  if not spec.zero_jobs_pipelined:
-    pl.loop(0, count)(lambda m: store(job(m)))
-    return
-
-  def step(m, this):
-    upcoming = job(m + 1)
-    store(this)
-    return upcoming
-
-  @pl.when(count > 0)
-  def _jobs():
-    lax.fori_loop(0, count, step, job(0))
 
 
 def zero_rows(meta, half, block_q, total_rows):
