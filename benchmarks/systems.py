@@ -200,11 +200,13 @@ def parse_mosaic_options(settings) -> dict:
   return options
 
 
-def mosaic_config(options, problem: Problem, soft_cap=False) -> pp.MosaicConfig | None:
+def mosaic_config(options, problem: Problem, soft_cap=False,
+                  padded=False) -> pp.MosaicConfig | None:
   """The config the Mosaic GPU system passes for ``options`` (``parse_mosaic_options``):
   None, the entry point's own default, when there are none; else the default for the call
   (``default_mosaic_config`` of q's and V's depths, dtype, mask, longest prompt and
-  whether the call caps its logits (``soft_cap``); the
+  whether the call caps its logits (``soft_cap``) and is ``dot_product_attention``'s
+  (``padded``); the
   harness's depths are powers of two, so q's is its padded one: MLA's 128 + 64 = 192) with
   the given fields of it and of its options replaced (the others as the default call has
   them: ``column_mask`` is on for short prompts)."""
@@ -213,7 +215,8 @@ def mosaic_config(options, problem: Problem, soft_cap=False) -> pp.MosaicConfig 
   config_fields, option_fields = _split_mosaic_options(options)
   w = problem.workload
   base = config_lib.default_mosaic_config(problem.q.shape[-1], problem.kv[-1].shape[-1],
-                                          problem.q.dtype, w.mask, w.max_len, soft_cap)
+                                          problem.q.dtype, w.mask, w.max_len, soft_cap,
+                                          padded)
   return dataclasses.replace(base, **config_fields,
                              options=dataclasses.replace(base.options, **option_fields))
 
@@ -497,7 +500,7 @@ def pallas_prefill_padded(problems, mosaic_options=None):
   _self_attention_only(problems, "dot_product_attention")
   w = problems[0].workload
   window = _window(w.mask)
-  config = mosaic_config(mosaic_options, problems[0])
+  config = mosaic_config(mosaic_options, problems[0], padded=True)
 
   @jax.jit
   def fn(q, k, v, lens):

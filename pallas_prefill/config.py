@@ -344,7 +344,8 @@ def _length_free_entry(tables, qk_depth, v_depth, dtype, mask):
 
 
 def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
-                          max_prompt_len: int, soft_cap: bool = False) -> MosaicConfig:
+                          max_prompt_len: int, soft_cap: bool = False,
+                          padded: bool = False) -> MosaicConfig:
   """The Mosaic GPU configuration ``config=None`` uses. Its tiles are the same for every
   ``max_prompt_len`` (batch invariance: ``_length_free_entry``): the tuned entry for the
   device, else 128-row K/V tiles in two stages, or 64-row tiles in three where 128 rows
@@ -371,8 +372,19 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   same bits again: 1.02x more on MHA short64 on the H100), and at depth 128 (MHA) a
   warpgroup's last tile as its first 64 keys where that holds its keys
   (``MosaicOptions.narrow_last_tile``, the same bits: 1.014x-1.026x on MHA short64 on
-  the H100; 0.95x with three warpgroups on long16384, so short prompts only)."""
+  the H100; 0.95x with three warpgroups on long16384, so short prompts only).
+
+  ``padded``: the call is ``dot_product_attention``'s, whose padding rows are work items
+  without keys: their zeros go as zero jobs to the keyed units
+  (``MosaicOptions.keyless_units="stores"``, where the call returns no LSE; not FP8): on the
+  H100 1.079x "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on
+  equal4x4096 (no padding row), on the H200 1.031x and 1.007x (BUILD_NOTES.md,
+  thirty-seventh and fortieth sessions). The packed entry points keep "first": their
+  calls rarely have key-less items, and "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
+  if padded and not is_fp8(dtype):  # (FP8 with zero jobs has not run on a GPU)
+    config = dataclasses.replace(config, options=dataclasses.replace(
+        config.options, keyless_units="stores"))
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
     config = dataclasses.replace(config, options=dataclasses.replace(

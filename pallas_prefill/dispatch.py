@@ -26,7 +26,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
                      max_prompt_len, mask, scale, output_dtype, return_lse,
                      config: MhaConfig | MosaicConfig | None, interpret: bool, paged=None,
                      backend: str = "auto", logits_soft_cap=None, top_left=False,
-                     scales=None):
+                     scales=None, padded=False):
   """Runs the ragged attention kernel of the chosen backend on validated operands.
 
   Args:
@@ -53,6 +53,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
       instead of kv_len - q_len + i.
     scales: None, or FP8's (qk_scale, v_scale), each [batch, num_kv_heads] float32
       (``fp8.scales``).
+    padded: the call is ``dot_product_attention``'s (``config.default_mosaic_config``).
 
   Returns:
     out [total_q, num_heads, v_depth] in output_dtype, and lse [total_q, num_heads]
@@ -71,7 +72,7 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
   v = pad_depth(v, padded_depth(v_depth))
   mosaic_config = select_backend(backend, parts, v, output_dtype, return_lse, paged, mask,
                                  max_prompt_len, config, interpret, q_dtype=q_ops[0].dtype,
-                                 soft_cap=logits_soft_cap is not None)
+                                 soft_cap=logits_soft_cap is not None, padded=padded)
   kw = dict(mask=mask, scale=scale, output_dtype=output_dtype, return_lse=return_lse,
             paged=paged, soft_cap=logits_soft_cap, top_left=top_left)
   if mosaic_config is not None:
@@ -91,7 +92,8 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
 
 
 def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max_prompt_len,
-                   config, interpret, q_dtype=None, soft_cap=False) -> MosaicConfig | None:
+                   config, interpret, q_dtype=None, soft_cap=False,
+                   padded=False) -> MosaicConfig | None:
   """The Mosaic GPU config to run with, or None for the Triton kernel.
 
   "triton" is None. "mosaic_gpu" is the given MosaicConfig or the default one, and raises
@@ -101,7 +103,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
   (``config.prefers_triton``) or the config is an ``MhaConfig``; a ``MosaicConfig`` picks
   Mosaic GPU as "mosaic_gpu" does (refusing what it cannot serve). Triton otherwise:
   other GPUs, what Mosaic GPU refuses, and interpret mode. ``soft_cap``: whether the
-  call caps its logits (``config.default_mosaic_config``'s warpgroups depend on it).
+  call caps its logits (``config.default_mosaic_config``'s warpgroups depend on it);
+  ``padded``: the call is ``dot_product_attention``'s (its key-less items, the same).
   """
   if backend == "triton":
     return None
@@ -115,7 +118,8 @@ def select_backend(backend, parts, v, output_dtype, return_lse, paged, mask, max
     mosaic_config = config
   else:
     mosaic_config = mosaic_gpu.fitted(
-        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len, soft_cap),
+        default_mosaic_config(qk, v.shape[-1], v.dtype, mask, max_prompt_len, soft_cap,
+                              padded),
         parts, v.shape[-1], v.dtype, output_dtype, return_lse)
   reason = mosaic_gpu.unsupported_reason(parts, v.shape[-1], v.dtype, output_dtype,
                                          return_lse, mosaic_config, q_dtype=q_dtype)

@@ -163,10 +163,10 @@ def head_parallel_mha(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scal
 def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scales=None, *,
                   max_prompt_len,
                   mask, scale, output_dtype, return_lse, config, interpret, backend,
-                  logits_soft_cap, top_left=False):
+                  logits_soft_cap, top_left=False, padded=False):
   """One head shard's call (all heads when unsharded): the logits' terms, then
   ``dispatch.ragged_attention``. K/V rows: packed like Q (kv_starts None), or sequence b's
-  at [kv_starts[b], kv_ends[b])."""
+  at [kv_starts[b], kv_ends[b]). ``padded``: ``dot_product_attention``'s call."""
   qk_depth = logits.padded_depth(q.shape[-1])
   k, v, paged = logits.unpage(k, v)
   kv_rows = None if kv_starts is None else (kv_starts, kv_ends)
@@ -176,4 +176,4 @@ def mha_on_shards(q, k, v, q_offsets, kv_starts, kv_ends, sink_weights, scales=N
       parts=[logits.QkPart(q_index=0, q_col=0, k_index=0, k_col=0, width=qk_depth)],
       max_prompt_len=max_prompt_len, mask=mask, scale=scale, output_dtype=output_dtype,
       return_lse=return_lse, config=config, interpret=interpret, backend=backend,
-      logits_soft_cap=logits_soft_cap, top_left=top_left, scales=scales)
+      logits_soft_cap=logits_soft_cap, top_left=top_left, scales=scales, padded=padded)

@@ -387,7 +387,8 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, 
     scales = tuple(jnp.repeat(x, per_row, axis=0) for x in scales)
   flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  (a view: no copy)
   out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,
-                              kv_ends, sink_weights, scales, top_left=True, **static)
+                              kv_ends, sink_weights, scales, top_left=True, padded=True,
+                              **static)
   if not static["return_lse"]:
     return out.reshape(batch, t, num_heads, value.shape[-1])
   out, lse = out

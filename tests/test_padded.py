@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import pallas_prefill as pp
+from pallas_prefill import config as config_lib
+from pallas_prefill import masks
 from pallas_prefill.constants import EMPTY_ROW_LSE
 from tests import cases as shared
 
@@ -386,6 +388,44 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
     texts.append(lowered.kernel_texts(module)[-1])
   assert len(set(texts)) == 5
   assert "st.global.cs" in texts[-1] and "st.global.cs" not in texts[0]
+
+
+@pytest.mark.parametrize("max_len", [512, 9000])  # two compute warpgroups, three
+def test_padded_default_stores_zero_jobs(max_len):
+  """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
+  to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
+  ``keyless_units="stores"``, plain ``st.global.cs`` stores), except with the LSE (whose
+  key-less rows the jobs do not write) and in FP8; the packed entry point's default and
+  the padded call's with a ``MosaicConfig()`` given keep the key-less units ("first")."""
+  from tests import lowered  # pylint: disable=g-import-not-at-top
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  s = jax.ShapeDtypeStruct
+  q, kv, n = (s((2, max_len, 8, 128), jnp.bfloat16), s((2, max_len, 2, 128), jnp.bfloat16),
+              s((2,), jnp.int32))
+
+  def stores(fn, *args):
+    text = lowered.kernel_texts(lower_for_h200(fn, *args).compiler_ir())[-1]
+    return "st.global.cs" in text
+
+  def padded(**kw):
+    return lambda q, k, v, n: pp.dot_product_attention(  # noqa: E731
+        q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
+        backend="mosaic_gpu", interpret=False, **kw)
+
+  assert stores(padded(), q, kv, kv, n)
+  assert not stores(padded(return_lse=True), q, kv, kv, n)
+  assert not stores(padded(config=pp.MosaicConfig()), q, kv, kv, n)
+  offsets = s((3,), jnp.int32)
+  assert not stores(lambda q, k, v, o: pp.mha_prefill(  # noqa: E731
+      q, k, v, o, max_prompt_len=max_len, backend="mosaic_gpu", interpret=False),
+      s((2 * max_len, 8, 128), jnp.bfloat16), s((2 * max_len, 2, 128), jnp.bfloat16),
+      s((2 * max_len, 2, 128), jnp.bfloat16), offsets)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    config = config_lib.default_mosaic_config(128, 128, dtype, masks.CausalMask(), max_len,
+                                              padded=True)
+    assert config.options.keyless_units == "stores"
+  assert config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
+                                          max_len, padded=True).options.keyless_units == "first"
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
