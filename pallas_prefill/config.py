@@ -92,6 +92,8 @@ class MosaicOptions:
       TMA: the SM's TMA unit keeps loading K/V), so that the zeros spread thinly over
       the whole call; "first" where the call returns the LSE, with split units, or at
       run time when no item has a KV tile (issue 23, thirty-seventh session).
+      "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks "stores" for
+      ``dot_product_attention`` (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the
