@@ -441,8 +441,8 @@ PADDED_GPU_CASES = test_padded.PADDED_CASES + [
                         segments=tuple(tuple(x for x in ([1] * 700 + [0] * 48 + [2] * 1000
                                                          + [3] * 300)[:2048])
                                        for _ in range(3)), max_segments=4, lse=True),
-    # three compute warpgroups (t > THREE_WGS_MIN_PROMPT), the padding rows' zeros as
-    # zero jobs of the keyed units (the padded default without the LSE)
+    # three compute warpgroups (t > THREE_WGS_MIN_PROMPT; test_padded_keyless_stores:
+    # with its padding rows' zeros as zero jobs of the keyed units)
     dataclasses.replace(_PADDED_LARGE, t=8704, q_lens=(8704, 3000, 0, 129), heads=16,
                         kv_heads=4),
 ]
