@@ -4,13 +4,14 @@
 # GPU tests (the key-less units' cases and the padded layouts, stores against the
 # reference with poisoned memory), then its arms in one process, 3 rounds in turns, on
 # the padded and packed MHA skew16_16k and short64 (the padded call's time against the
-# packed one per arm: "first", the default, against "stores" and "spread"). Results in
+# packed one per arm: "first", the packed default, against "stores" and "spread"). Results in
 # $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two;
 # NO_SPREAD=1 leaves the "spread" arm out; TESTS_S and ARMS_S bound the two parts'
-# seconds (200, 300); TESTS_K replaces the tests' -k. For one short call (the
-# thirty-eighth session's plan for commit 707386e, the zero jobs pipelined one deep):
-# `NO_SPREAD=1 WORKLOADS=skew16_16k TESTS_S=100 ARMS_S=120 TESTS_K="test_padded_keyless_stores
-# or (test_mosaic_keyless_units and stores)"`.
+# seconds (200, 300); TESTS_K replaces the tests' -k. The fortieth session ran
+# `NO_SPREAD=1 WORKLOADS="skew16_16k short64 equal4x4096" TESTS_S=170 ARMS_S=380
+# TESTS_K="test_padded_keyless_stores or (test_mosaic_keyless_units and stores)"` at
+# bf29b0c (with an arm for the zero jobs pipelined, since removed). Since then "stores"
+# is the padded call's default (BUILD_NOTES.md), so the "first" arm sets it.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -26,7 +27,7 @@ spread=(--arm spread "keyless_units='spread'")
 [ -n "${NO_SPREAD:-}" ] && spread=()
 # shellcheck disable=SC2086
 timeout "${ARMS_S:-300}" python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
-  --arm first --arm stores "keyless_units='stores'" "${spread[@]}" \
+  --arm first "keyless_units='first'" --arm stores "keyless_units='stores'" "${spread[@]}" \
   --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
   --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
 echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -20
