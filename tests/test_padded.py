@@ -427,8 +427,9 @@ def test_padded_default_stores_zero_jobs(max_len):
     config = config_lib.default_mosaic_config(128, 128, dtype, masks.CausalMask(), max_len,
                                               padded=True)
     assert config.options.keyless_units == ("stores" if two_wgs else "first")
-  assert config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
-                                          max_len, padded=True).options.keyless_units == "first"
+  fp8 = config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
+                                         max_len, padded=True)
+  assert fp8.options.keyless_units == "first"
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
