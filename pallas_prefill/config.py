@@ -382,8 +382,8 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   three compute warpgroups, where zero jobs have not run on a GPU): on the H100 1.079x
   "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
   padding row), on the H200 1.031x and 1.007x (BUILD_NOTES.md, thirty-seventh and
-  fortieth sessions). The packed entry points keep "first": their
-  calls rarely have key-less items, and "stores" costs them 1-3 %."""
+  fortieth sessions). The packed entry points keep "first": their calls rarely have
+  key-less items, and "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
