@@ -378,12 +378,13 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
 
   ``padded``: the call is ``dot_product_attention``'s, whose padding rows are work items
   without keys: their zeros go as zero jobs to the keyed units
-  (``MosaicOptions.keyless_units="stores"``, where the call returns no LSE; not FP8, not
-  three compute warpgroups, where zero jobs have not run on a GPU): on the H100 1.079x
+  (``MosaicOptions.keyless_units="stores"``, where the call returns no LSE; not FP8,
+  where zero jobs have not run on a GPU): with two compute warpgroups, on the H100 1.079x
   "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
-  padding row), on the H200 1.031x and 1.007x (BUILD_NOTES.md, thirty-seventh and
-  fortieth sessions). The packed entry points keep "first": their calls rarely have
-  key-less items, and "stores" costs them 1-3 %."""
+  padding row), on the H200 1.031x and 1.007x; with three, on the H100 1.097x, 1.233x
+  and 1.022x (BUILD_NOTES.md, thirty-seventh, fortieth and forty-first sessions). The
+  packed entry points keep "first": their calls rarely have key-less items, and
+  "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
@@ -398,8 +399,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
     narrow = not is_fp8(dtype) and qk_depth == v_depth == 128 and config.block_kv == 128
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, column_mask=True, column_lo_static=True, narrow_last_tile=narrow))
-  if padded and not is_fp8(dtype) and config.compute_wgs == 2:
-    # (zero jobs in FP8 or with three compute warpgroups have not run on a GPU)
+  if padded and not is_fp8(dtype):  # (zero jobs in FP8 have not run on a GPU)
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, keyless_units="stores"))
   return config

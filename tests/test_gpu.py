@@ -441,8 +441,8 @@ PADDED_GPU_CASES = test_padded.PADDED_CASES + [
                         segments=tuple(tuple(x for x in ([1] * 700 + [0] * 48 + [2] * 1000
                                                          + [3] * 300)[:2048])
                                        for _ in range(3)), max_segments=4, lse=True),
-    # three compute warpgroups (t > THREE_WGS_MIN_PROMPT; test_padded_keyless_stores:
-    # with its padding rows' zeros as zero jobs of the keyed units)
+    # three compute warpgroups (t > THREE_WGS_MIN_PROMPT), the padding rows' zeros as
+    # zero jobs of the keyed units (the default's "stores")
     dataclasses.replace(_PADDED_LARGE, t=8704, q_lens=(8704, 3000, 0, 129), heads=16,
                         kv_heads=4),
 ]
@@ -541,6 +541,24 @@ def test_padded_keyless_stores(case):
   zeros as jobs of the keyed units, by plain stores (every other padded test runs the
   default's key-less units). The results stay exact and every padding row zero."""
   config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores"))
+  poison_device_memory()
+  test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
+
+
+_LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
+
+
+@pytest.mark.parametrize("case", [dataclasses.replace(c, lse=False) for c in _LARGE_PADDED]
+                         + [dataclasses.replace(_PADDED_LARGE, sink=True, soft_cap=30.0,
+                                                dtype="float16"),
+                            dataclasses.replace(_PADDED_LARGE, q_lens=(0,) * 6)],
+                         ids=lambda c: c.name)
+def test_padded_keyless_stores_three_wgs(case):
+  """Zero jobs ("stores") with three compute warpgroups (``default_mosaic_config``'s
+  register cuts): each warpgroup stores its third of a key-less item's rows. Exact, and
+  every padding row zero (all rows padding: the key-less units run)."""
+  config = pp.MosaicConfig(compute_wgs=3, options=pp.MosaicOptions(
+      keyless_units="stores", row_sum_first=True, q_per_tile=True, column_mask=True))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 

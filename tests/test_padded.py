@@ -394,11 +394,11 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
 def test_padded_default_stores_zero_jobs(max_len):
   """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
   to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
-  ``keyless_units="stores"``, plain ``st.global.cs`` stores), except with the LSE (whose
-  key-less rows the jobs do not write), in FP8 and with three compute warpgroups
-  (max_len 9000: zero jobs there have not run on a GPU); the packed entry point's default
-  and the padded call's with a ``MosaicConfig()`` given keep the key-less units
-  ("first")."""
+  ``keyless_units="stores"``, plain ``st.global.cs`` stores), with two compute
+  warpgroups and three (max_len 9000), except with the LSE (whose key-less rows the jobs
+  do not write) and in FP8 (zero jobs there have not run on a GPU); the packed entry
+  point's default and the padded call's with a ``MosaicConfig()`` given keep the
+  key-less units ("first")."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s = jax.ShapeDtypeStruct
@@ -414,8 +414,7 @@ def test_padded_default_stores_zero_jobs(max_len):
         q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
         backend="mosaic_gpu", interpret=False, **kw)
 
-  two_wgs = max_len <= config_lib.THREE_WGS_MIN_PROMPT
-  assert stores(padded(), q, kv, kv, n) == two_wgs
+  assert stores(padded(), q, kv, kv, n)
   assert not stores(padded(return_lse=True), q, kv, kv, n)
   assert not stores(padded(config=pp.MosaicConfig()), q, kv, kv, n)
   offsets = s((3,), jnp.int32)
@@ -426,7 +425,8 @@ def test_padded_default_stores_zero_jobs(max_len):
   for dtype in (jnp.bfloat16, jnp.float16):
     config = config_lib.default_mosaic_config(128, 128, dtype, masks.CausalMask(), max_len,
                                               padded=True)
-    assert config.options.keyless_units == ("stores" if two_wgs else "first")
+    assert config.compute_wgs == (2 if max_len <= config_lib.THREE_WGS_MIN_PROMPT else 3)
+    assert config.options.keyless_units == "stores"
   fp8 = config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
                                          max_len, padded=True)
   assert fp8.options.keyless_units == "first"
