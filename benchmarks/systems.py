@@ -512,6 +512,34 @@ def pallas_prefill_padded(problems, mosaic_options=None):
                   auto_backend=True)
 
 
+def pallas_prefill_padded_fp8(problems, mosaic_options=None):
+  """Ours in FP8 on the padded batch: pallas_prefill_padded's call on pallas_prefill_fp8's
+  inputs (float8_e4m3fn, per-K/V-head scales, ``quantize_problem``), bf16 output: what
+  the padded layout costs ours in FP8 (against pallas_prefill_fp8). Checked against the
+  float32 reference of the dequantized inputs, within FP8_TOLERANCE. MHA only. With
+  ``mosaic_options``, their Mosaic GPU config (``mosaic_config``) instead of auto's."""
+  if problems[0].kind != "mha":
+    raise Unavailable("MHA only: MLA has no padded entry point")
+  _self_attention_only(problems, "dot_product_attention")
+  quantized = [quantize_problem(p) for p in problems]
+  w = problems[0].workload
+  window = _window(w.mask)
+  config = mosaic_config(mosaic_options, quantized[0].problem, padded=True)
+
+  @jax.jit
+  def fn(q, k, v, lens, scales):
+    return pp.dot_product_attention(
+        q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0), config=config,
+        **scales)
+
+  args = [a + (f.scales,) for a, f in zip(_padded_qkv([f.problem for f in quantized]),
+                                          quantized)]
+  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens), auto_backend=True,
+                  tolerance=FP8_TOLERANCE,
+                  reference=lambda: reference(quantized[0].dequantized()))
+
+
 def cudnn_padded(problems):
   """cuDNN through jax.nn.dot_product_attention on the padded batch, with lengths."""
   if jax.default_backend() != "gpu":
@@ -809,10 +837,10 @@ PADDED_ANCHORS = ("cudnn_padded", "xla_padded", "tokamax_mosaic", "tokamax_trito
                   "torch_sdpa_cudnn", "jax_pallas_mha")
 
 # The systems that take ``--mosaic-options``: the Mosaic GPU backend's, ours padded, ours
-# soft-capped and ours in FP8.
+# soft-capped and ours in FP8 (packed and padded).
 MOSAIC_SYSTEMS = tuple(name for name, backend in BACKENDS.items() if backend == "mosaic_gpu"
                        ) + ("pallas_prefill_padded", "pallas_prefill_softcap",
-                            "pallas_prefill_fp8")
+                            "pallas_prefill_fp8", "pallas_prefill_padded_fp8")
 
 SYSTEMS = {
     "pallas_prefill": pallas_prefill,
@@ -822,6 +850,7 @@ SYSTEMS = {
     "pallas_prefill_padded": pallas_prefill_padded,
     "pallas_prefill_softcap": pallas_prefill_softcap,
     "pallas_prefill_fp8": pallas_prefill_fp8,
+    "pallas_prefill_padded_fp8": pallas_prefill_padded_fp8,
     "cudnn_padded": cudnn_padded,
     "cudnn_packed": cudnn_packed,
     "cudnn_fp8": cudnn_fp8,

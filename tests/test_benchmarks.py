@@ -512,25 +512,30 @@ def test_fp8_problems_are_quantized_per_kv_head_or_per_tensor():
 
 def test_fp8_systems_run_beside_bf16_and_are_checked_against_the_dequantized_inputs(
     monkeypatch, tmp_path, capsys):
-  """``--systems pallas_prefill_default pallas_prefill_fp8 cudnn_fp8`` in one run (MHA
-  ``tiny``, interpret mode): the FP8 row is correct within FP8_TOLERANCE against the
-  reference of its dequantized inputs (which differs from the bf16 inputs' reference by
-  far more than its error), records its tolerance, and the ratio FP8 / bf16 is reported;
-  cuDNN's FP8 says why it cannot run the ragged batch."""
+  """``--systems pallas_prefill_default pallas_prefill_fp8 pallas_prefill_padded_fp8
+  cudnn_fp8`` in one run (MHA ``tiny``, interpret mode): the FP8 rows (packed, and padded
+  through ``dot_product_attention``) are correct within FP8_TOLERANCE against the
+  reference of their dequantized inputs (which differs from the bf16 inputs' reference
+  by far more than their error), record their tolerance, and the ratio FP8 / bf16 is
+  reported; cuDNN's FP8 says why it cannot run the ragged batch."""
   monkeypatch.setattr(run, "bench_jax", _call_once)
   run.main(["--kernels", "mha", "--workloads", "tiny", "--systems", "pallas_prefill_default",
-            "pallas_prefill_fp8", "cudnn_fp8", "--out", str(tmp_path)])
+            "pallas_prefill_fp8", "pallas_prefill_padded_fp8", "cudnn_fp8", "--out",
+            str(tmp_path)])
   assert any("cudnn_fp8" in line and "n/a: equal lengths only" in line
              for line in capsys.readouterr().out.splitlines())
   got = {r["system"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-  assert set(got) == {"pallas_prefill_default", "pallas_prefill_fp8"}
-  fp8_row = got["pallas_prefill_fp8"]
-  assert fp8_row["correct"] and fp8_row["tolerance"] == sy.FP8_TOLERANCE
-  assert fp8_row["backend"] == "auto: triton" and "tolerance" not in got[
-      "pallas_prefill_default"]
+  assert set(got) == {"pallas_prefill_default", "pallas_prefill_fp8",
+                      "pallas_prefill_padded_fp8"}
   problem = sy.make_problem("mha", wl.WORKLOADS["tiny"], 0)
   dequantized = sy.quantize_problem(problem).dequantized()
-  assert run.rel_err(sy.reference(problem), sy.reference(dequantized)) > 5 * fp8_row["relerr"]
+  for name in ("pallas_prefill_fp8", "pallas_prefill_padded_fp8"):
+    fp8_row = got[name]
+    assert fp8_row["correct"] and fp8_row["tolerance"] == sy.FP8_TOLERANCE
+    assert fp8_row["backend"] == "auto: triton"
+    assert run.rel_err(sy.reference(problem), sy.reference(dequantized)) > (
+        5 * fp8_row["relerr"])
+  assert "tolerance" not in got["pallas_prefill_default"]
   assert "| mha | tiny | - | - | 1.000 | - | - | - | - |" in (
       tmp_path / "results.md").read_text()
 
