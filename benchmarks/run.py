@@ -16,8 +16,9 @@ waited for; torch systems' the same way, torch.compile's work included): the com
 a server pays per new shape. The default workloads include ``long16384`` (issue 25), one
 causal prompt of 16384 tokens for MHA and MLA.
 FP8 (issue 24) needs no run-wide dtype: the systems named ``*_fp8`` (``pallas_prefill_fp8``,
-``cudnn_fp8``, ``cudnn_fp8_kv_repeated``) quantize each workload's bf16 inputs to
-float8_e4m3fn themselves, so one run compares them with the bf16 rows on the same data:
+``pallas_prefill_padded_fp8``, ``cudnn_fp8``, ``cudnn_fp8_kv_repeated``) quantize each
+workload's bf16 inputs to float8_e4m3fn themselves, so one run compares them with the
+bf16 rows on the same data:
 ``--systems pallas_prefill_default pallas_prefill_fp8 cudnn_fp8 cudnn_padded``. Their
 error is against the float32 reference of the dequantized inputs and counts under
 ``systems.FP8_TOLERANCE`` (5e-2; the row's ``tolerance``); their FLOPs are the bf16 rows'.

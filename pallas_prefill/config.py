@@ -90,8 +90,9 @@ class MosaicOptions:
       warpgroups of the keyed unit the job falls to (``schedule.zero_jobs``) do after
       that unit's epilogue with plain vector stores (``primitives.store_zero_rows``, no
       TMA: the SM's TMA unit keeps loading K/V), so that the zeros spread thinly over
-      the whole call; "first" where the call returns the LSE, with split units, or at
-      run time when no item has a KV tile (issue 23, thirty-seventh session).
+      the whole call (with the LSE, the wrapper fills in the key-less rows' LSE:
+      ``mosaic_gpu.gathered_lse``); "first" with split units, or at run time when no
+      item has a KV tile (issue 23, thirty-seventh and forty-first sessions).
       "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks "stores" for
       ``dot_product_attention`` (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
@@ -378,8 +379,8 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
 
   ``padded``: the call is ``dot_product_attention``'s, whose padding rows are work items
   without keys: their zeros go as zero jobs to the keyed units
-  (``MosaicOptions.keyless_units="stores"``, where the call returns no LSE; not FP8,
-  where zero jobs have not run on a GPU): with two compute warpgroups, on the H100 1.079x
+  (``MosaicOptions.keyless_units="stores"``; not FP8, where zero jobs have not run on a
+  GPU): with two compute warpgroups, on the H100 1.079x
   "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
   padding row), on the H200 1.031x and 1.007x; with three, on the H100 1.097x, 1.233x
   and 1.022x (BUILD_NOTES.md, thirty-seventh, fortieth and forty-first sessions). The

@@ -1207,7 +1207,7 @@ _PADDED_128 = dataclasses.replace(_PADDED, t=2048, q_lens=(2048, 1000, 1, 0, 777
 @pytest.mark.parametrize("wgs", [3, 2])
 @pytest.mark.parametrize("case,scale_shape", [
     (_PADDED_128, "kv_heads"),
-    (dataclasses.replace(_PADDED_128, sink=True, window=(300, 0)), "batch"),
+    (dataclasses.replace(_PADDED_128, sink=True, lse=True, window=(300, 0)), "batch"),
     (dataclasses.replace(_SEGMENTS, head_dim=128), "batch"),
     (dataclasses.replace(_PADDED_128, q_lens=(0,) * 5), "scalar"),
 ], ids=lambda x: getattr(x, "name", str(x)))
@@ -1215,7 +1215,7 @@ def test_fp8_compiled_padded_zero_jobs(case, scale_shape, wgs):
   """FP8 e4m3 ``dot_product_attention`` with the padding rows' zeros as zero jobs of the
   keyed units (``keyless_units="stores"``) on FP8's default tiles, three compute
   warpgroups (its default) and two: exact against the dequantized reference, padding
-  rows zero (all rows padding: the key-less units run)."""
+  rows zero, the LSE's from the wrapper (all rows padding: the key-less units run)."""
   config = pp.MosaicConfig(block_kv=128, num_stages=2, compute_wgs=wgs,
                            options=pp.MosaicOptions(keyless_units="stores"))
   check_fp8_padded(case, "float8_e4m3fn", None, scale_shape, interpret=False,

@@ -534,12 +534,13 @@ def test_padded_keyless_units_per_head(case, skip_q):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
-@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"
-                                  and not c.lse], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"],
+                         ids=lambda c: c.name)
 def test_padded_keyless_stores(case):
   """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
-  zeros as jobs of the keyed units, by plain stores (every other padded test runs the
-  default's key-less units). The results stay exact and every padding row zero."""
+  zeros as jobs of the keyed units, by plain stores, their LSE from the wrapper (the
+  default's choice, on its tiles without its register and mask options). The results
+  stay exact and every padding row zero."""
   config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores"))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
@@ -548,7 +549,7 @@ def test_padded_keyless_stores(case):
 _LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
 
 
-@pytest.mark.parametrize("case", [dataclasses.replace(c, lse=False) for c in _LARGE_PADDED]
+@pytest.mark.parametrize("case", _LARGE_PADDED
                          + [dataclasses.replace(_PADDED_LARGE, sink=True, soft_cap=30.0,
                                                 dtype="float16"),
                             dataclasses.replace(_PADDED_LARGE, q_lens=(0,) * 6)],
@@ -583,7 +584,9 @@ def _options(case, **kw):
     _options(_KEYLESS, keyless_units="spread", build_work_list=False, deal=1, head_major=0),
     _options(_split(_KEYLESS), keyless_units="spread"),
     _split(_KEYLESS),
-    # zero jobs of the keyed units, plain stores (without the LSE: with it, "first")
+    # zero jobs of the keyed units, plain stores (with the LSE: its key-less rows' from
+    # the wrapper)
+    _options(_KEYLESS, keyless_units="stores"),
     _options(dataclasses.replace(_KEYLESS, lse=False), keyless_units="stores"),
     _options(dataclasses.replace(_KEYLESS, lse=False, sink=False), keyless_units="stores",
              dynamic=False),
@@ -593,6 +596,9 @@ def _options(case, **kw):
     _options(dataclasses.replace(_KEYLESS, lse=False, kv_lens=(0,) * 7),
              keyless_units="stores"),
     _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513),
+                                 extra_rows=600), keyless_units="stores"),
+    _options(dataclasses.replace(_KEYLESS, kv_lens=(0,) * 7), keyless_units="stores"),
+    _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,
                                  extra_rows=600), keyless_units="stores"),
     dataclasses.replace(_KEYLESS, head_dim=256, kv_heads=2, heads=8),  # one output buffer
     dataclasses.replace(_KEYLESS, lse=False, sink=False, head_dim_v=64),

@@ -127,7 +127,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   programs = 5
   tiles = table[:, layout.T_HI] - table[:, layout.T_LO]
   n_keyed = int(xla_work_list.keyed_items(tiles, np.arange(len(tiles)) < n_live))
-  keyless = mosaic_gpu.keyless_units(config, bool(kwargs.get("return_lse")))
+  keyless = mosaic_gpu.keyless_units(config)
   apart = keyless != "per_head"
   head_major = schedule.head_major_order(
       tiles, n_keyed if apart else n_live, num_heads=heads,
@@ -223,14 +223,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       for hj, wj in jobs:
         start, n = (int(x) for x in mosaic_kernel.zero_rows(
             lambda col, wj=wj: table[wj, col], g, bq, total_q))
-        assert n >= 0 and start + n <= total_q
+        assert n >= 0 and (n == 0 or start + n <= total_q)  # (n == 0: no store)
         out[start:start + n, hj] = 0.0
         written[start:start + n, hj] += 1
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
-  lse = lse_buf[:, lse_slot].T
-  last = np.maximum.accumulate(np.clip(np.asarray(q_off)[1:].astype(np.int64), 0,
-                                       total_q))[-1]
-  lse[last:] = constants.EMPTY_ROW_LSE  # rows of no sequence, as the wrapper does
+  keyless_rows = {}
+  if keyless == "stores":  # (the zero jobs write no LSE: the wrapper's)
+    keyless_rows = dict(n_keyed=n_keyed, keyless_lse=(
+        np.full(heads, constants.EMPTY_ROW_LSE) if sink is None else np.asarray(sink)))
+  lse = mosaic_gpu.gathered_lse(lse_buf, lse_slot, q_off, total_q, rows=wgs * bq, xp=np,
+                                **keyless_rows)
   return out, lse
 
 
@@ -273,7 +275,7 @@ def test_schedule_matches_reference(case, wgs):
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
                config=None),
-    # without the LSE ("stores" keeps its zero jobs), a sink, rows past the array's
+    # without the LSE, a sink, rows past the array's
     # last offset
     cases.Case(lens=(130, 0, 7, 200, 64, 1), kv_lens=(5, 0, 300, 0, 0, 13), heads=4,
                kv_heads=1, head_dim=64, sink=True, extra_rows=333, config=None),
@@ -301,11 +303,7 @@ def check_emulated(case, config, args, kwargs, last_row, *, tag):
   ref_out, ref_lse = reference(*args, **dict(kwargs, return_lse=True, output_dtype=jnp.float32))
   assert np.isfinite(out).all(), tag
   assert cases.rel_err(out, ref_out) < 1e-4, tag
-  rows = slice(None)
-  if not kwargs.get("return_lse"):  # keyless_units="stores": no LSE for key-less rows
-    rows = ~np.isnan(lse).any(axis=1)
-  np.testing.assert_allclose(lse[rows], np.asarray(ref_lse)[rows], rtol=1e-5, atol=1e-4,
-                             err_msg=tag)
+  np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=1e-5, atol=1e-4, err_msg=tag)
   assert not out[last_row:].any(), tag
 
 

@@ -395,10 +395,9 @@ def test_padded_default_stores_zero_jobs(max_len):
   """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
   to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
   ``keyless_units="stores"``, plain ``st.global.cs`` stores), with two compute
-  warpgroups and three (max_len 9000), except with the LSE (whose key-less rows the jobs
-  do not write) and in FP8 (zero jobs there have not run on a GPU); the packed entry
-  point's default and the padded call's with a ``MosaicConfig()`` given keep the
-  key-less units ("first")."""
+  warpgroups and three (max_len 9000) and with the LSE, except in FP8 (zero jobs there
+  have not run on a GPU); the packed entry point's default and the padded call's with a
+  ``MosaicConfig()`` given keep the key-less units ("first")."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s = jax.ShapeDtypeStruct
@@ -415,7 +414,7 @@ def test_padded_default_stores_zero_jobs(max_len):
         backend="mosaic_gpu", interpret=False, **kw)
 
   assert stores(padded(), q, kv, kv, n)
-  assert not stores(padded(return_lse=True), q, kv, kv, n)
+  assert stores(padded(return_lse=True), q, kv, kv, n)
   assert not stores(padded(config=pp.MosaicConfig()), q, kv, kv, n)
   offsets = s((3,), jnp.int32)
   assert not stores(lambda q, k, v, o: pp.mha_prefill(  # noqa: E731

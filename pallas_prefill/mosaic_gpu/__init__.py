@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill.config import MosaicConfig
@@ -74,13 +73,30 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
   return config.options.fp8_native_pages and v_depth & (v_depth - 1) == 0
 
 
-def keyless_units(config: MosaicConfig, return_lse: bool) -> str:
+def keyless_units(config: MosaicConfig) -> str:
   """The kernel's ``MosaicOptions.keyless_units``: "stores" becomes "first" where the call
-  returns the LSE (the zero jobs store no LSE rows) or runs split units."""
+  runs split units."""
   units = config.options.keyless_units
-  if units == "stores" and (return_lse or config.split_units):
+  if units == "stores" and config.split_units:
     return "first"
   return units
+
+
+def gathered_lse(lse_items, lse_slot, q_offsets, total_q, *, rows, n_keyed=None,
+                 keyless_lse=None, xp=jnp):
+  """The call's LSE [total_q, num_heads] from the kernel's per-item buffer ``lse_items``
+  [num_heads, num_items * rows] (``rows`` a work item's), row r's at slot
+  ``lse_slot[r]``. Rows past ``q_offsets[-1]`` belong to no sequence: the empty-row value
+  (no sink either). With ``n_keyed`` (``keyless_units="stores"``: the zero jobs write no
+  LSE), the rows of the items from ``n_keyed`` on (the key-less ones, which the work list
+  puts last: ``L.S_KEYED``) take ``keyless_lse`` [num_heads], each head's LSE before any
+  key (its sink's logit, or the empty-row value), as a key-less unit writes it. ``xp``:
+  jnp, or np for the tests' float64 emulation of the kernel."""
+  lse = xp.take(lse_items, lse_slot, axis=1).T
+  if n_keyed is not None:
+    lse = xp.where((lse_slot // rows >= n_keyed)[:, None], keyless_lse[None, :], lse)
+  last = xp.max(xp.clip(xp.asarray(q_offsets)[1:].astype(xp.int32), 0, total_q))
+  return xp.where((xp.arange(total_q) < last)[:, None], lse, EMPTY_ROW_LSE)
 
 
 def paged_config(config: MosaicConfig, page_size: int) -> MosaicConfig:
@@ -162,7 +178,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       out_buffers=output_buffers(parts, v_depth, v.dtype, output_dtype, return_lse, config),
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
-      keyless_units=keyless_units(config, return_lse),
+      keyless_units=keyless_units(config),
       poly_exp2=config.options.poly_exp2,
       # (bf16 only: P in float16 would flush the small probabilities of a row whose
       # scores all lie far below the fixed maximum, and Q times scale / cap its small
@@ -177,6 +193,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       column_lo_static=config.options.column_lo_static,
       narrow_last_tile=config.options.narrow_last_tile)
   kernel = functools.partial(attention_kernel, spec=spec)
+  scalars = inputs[1]
   if config.options.dynamic:
     # The kernel counts its claims in the scalars' L.S_NEXT lane: a fresh copy per call
     # (a Ref, which the kernel updates in place), whoever else reads the scalars.
@@ -195,10 +212,12 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   )(*inputs)
   if not return_lse:
     return results[0]
-  # Rows past offsets[-1] belong to no sequence: no sink either (the empty-row value).
-  last = lax.cummax(jnp.clip(q_offsets[1:].astype(jnp.int32), 0, total_q))[-1]
-  lse = jnp.take(results[1], lse_slot, axis=1).T
-  return results[0], jnp.where(jnp.arange(total_q)[:, None] < last, lse,
-                               EMPTY_ROW_LSE)
+  keyless = {}
+  if spec.zero_stores:
+    keyless = dict(n_keyed=scalars[L.S_KEYED], keyless_lse=(
+        jnp.full((num_heads,), EMPTY_ROW_LSE, jnp.float32) if sink_weights is None
+        else sink_weights.astype(jnp.float32)))
+  return results[0], gathered_lse(results[1], lse_slot, q_offsets, total_q, rows=rows,
+                                  **keyless)
 
 
