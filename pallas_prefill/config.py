@@ -378,14 +378,14 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   the H100; 0.95x with three warpgroups on long16384, so short prompts only).
 
   ``padded``: the call is ``dot_product_attention``'s, whose padding rows are work items
-  without keys: their zeros go as zero jobs to the keyed units
-  (``MosaicOptions.keyless_units="stores"``; not FP8, where zero jobs have not run on a
-  GPU): with two compute warpgroups, on the H100 1.079x
-  "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
+  without keys: in bf16/float16 their zeros go as zero jobs to the keyed units
+  (``MosaicOptions.keyless_units="stores"``): with two compute warpgroups, on the H100
+  1.079x "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
   padding row), on the H200 1.031x and 1.007x; with three, on the H100 1.097x, 1.233x
-  and 1.022x (BUILD_NOTES.md, thirty-seventh, fortieth and forty-first sessions). The
-  packed entry points keep "first": their calls rarely have key-less items, and
-  "stores" costs them 1-3 %."""
+  and 1.022x. FP8 keeps "first" (on the H100 "stores" 1.073x on skew16_16k but 0.976x
+  on short64 and 0.973x on equal4x4096). (BUILD_NOTES.md, thirty-seventh, fortieth and
+  forty-first sessions.) The packed entry points keep "first": their calls rarely have
+  key-less items, and "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
@@ -400,7 +400,7 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
     narrow = not is_fp8(dtype) and qk_depth == v_depth == 128 and config.block_kv == 128
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, column_mask=True, column_lo_static=True, narrow_last_tile=narrow))
-  if padded and not is_fp8(dtype):  # (zero jobs in FP8 have not run on a GPU)
+  if padded and not is_fp8(dtype):  # (FP8's zero jobs measured mixed)
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, keyless_units="stores"))
   return config

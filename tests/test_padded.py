@@ -395,8 +395,8 @@ def test_padded_default_stores_zero_jobs(max_len):
   """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
   to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
   ``keyless_units="stores"``, plain ``st.global.cs`` stores), with two compute
-  warpgroups and three (max_len 9000) and with the LSE, except in FP8 (zero jobs there
-  have not run on a GPU); the packed entry point's default and the padded call's with a
+  warpgroups and three (max_len 9000) and with the LSE, except in FP8 (whose zero jobs
+  measured mixed); the packed entry point's default and the padded call's with a
   ``MosaicConfig()`` given keep the key-less units ("first")."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
