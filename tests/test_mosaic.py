@@ -275,8 +275,7 @@ def test_schedule_matches_reference(case, wgs):
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
                config=None),
-    # without the LSE, a sink, rows past the array's
-    # last offset
+    # without the LSE, a sink, rows past the array's last offset
     cases.Case(lens=(130, 0, 7, 200, 64, 1), kv_lens=(5, 0, 300, 0, 0, 13), heads=4,
                kv_heads=1, head_dim=64, sink=True, extra_rows=333, config=None),
     # no item with KV tiles: "stores" runs the key-less units
