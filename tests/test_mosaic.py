@@ -336,13 +336,16 @@ def test_schedule_ignores_nan_past_the_last_key(case, block_kv):
 
 def random_case(rng) -> tuple[cases.Case, pp.MosaicConfig]:
   """A small random batch for the emulator: lengths from empty to a few tiles, K/V offsets
-  (cached prefixes, shorter K/V too) or not, any mask, sinks, LSE, MHA or MLA."""
+  (cached prefixes, shorter K/V too, none at all) or not, any mask, sinks, LSE, MHA or
+  MLA, each key-less placement (``MosaicOptions.keyless_units``), two or three compute
+  warpgroups."""
   batch = int(rng.integers(1, 7))
   lens = tuple(int(x) for x in rng.choice([0, 1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 200,
                                            300], size=batch))
   kv_lens = None
   if rng.random() < 0.5:
-    kv_lens = tuple(int(max(q + rng.integers(-20, 300), 0)) for q in lens)
+    kv_lens = tuple(int(max(q + rng.integers(-20, 300), 0)) if rng.random() < 0.8 else 0
+                    for q in lens)
   mask = [masks.CausalMask(), masks.NullMask(),
           masks.SlidingWindowCausalMask(int(rng.integers(1, 300))),
           masks.ChunkedCausalMask(int(rng.choice([8, 64, 100, 256])))][int(rng.integers(4))]
@@ -354,7 +357,10 @@ def random_case(rng) -> tuple[cases.Case, pp.MosaicConfig]:
                     kv_heads=kv_heads, head_dim=64, rope_dim=64,
                     sink=kind == "mha" and bool(rng.random() < 0.3),
                     lse=True, extra_rows=int(rng.integers(0, 20)), config=None)
-  return case, pp.MosaicConfig(block_kv=int(rng.choice([64, 128])))
+  keyless = str(rng.choice(config_lib.KEYLESS_UNITS))
+  return case, pp.MosaicConfig(block_kv=int(rng.choice([64, 128])),
+                               compute_wgs=int(rng.choice([2, 3])),
+                               options=pp.MosaicOptions(keyless_units=keyless))
 
 
 def test_schedule_matches_reference_on_random_batches():
