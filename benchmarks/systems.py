@@ -488,13 +488,15 @@ def _jax_nn(problems, implementation):
   return Prepared(fn, args, lambda out: _unpad(out, w.q_lens))
 
 
-def pallas_prefill_padded(problems, mosaic_options=None):
+def pallas_prefill_padded(problems, mosaic_options=None, fp8_scales=None):
   """Ours on the padded batch with lengths: ``pp.dot_product_attention`` on the arrays and
   lengths cuDNN's padded system gets (V keeps its depth: MHA's equals Q's), its mask from
   the workload's as ``_jax_nn`` maps it, no backend argument (``"auto"``). MHA only (MLA
   has no padded entry point). Against pallas_prefill_default: what the padded layout costs
   ours; against the padded anchors: what computing only the real tokens gains. With
-  ``mosaic_options``, their Mosaic GPU config (``mosaic_config``) instead of auto's."""
+  ``mosaic_options``, their Mosaic GPU config (``mosaic_config``) instead of auto's.
+  ``fp8_scales``: per problem, the FP8 inputs' {q_scale, k_scale, v_scale}, passed as a
+  fifth argument (pallas_prefill_padded_fp8)."""
   if problems[0].kind != "mha":
     raise Unavailable("MHA only: MLA has no padded entry point")
   _self_attention_only(problems, "dot_product_attention")
@@ -503,13 +505,16 @@ def pallas_prefill_padded(problems, mosaic_options=None):
   config = mosaic_config(mosaic_options, problems[0], padded=True)
 
   @jax.jit
-  def fn(q, k, v, lens):
+  def fn(q, k, v, lens, scales=None):
     return pp.dot_product_attention(
         q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), config=config)
+        local_window_size=None if window is None else (window - 1, 0), config=config,
+        **(scales or {}))
 
-  return Prepared(fn, _padded_qkv(problems), lambda out: _unpad(out, w.q_lens),
-                  auto_backend=True)
+  args = _padded_qkv(problems)
+  if fp8_scales is not None:
+    args = [a + (scales,) for a, scales in zip(args, fp8_scales)]
+  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens), auto_backend=True)
 
 
 def pallas_prefill_padded_fp8(problems, mosaic_options=None):
@@ -518,26 +523,11 @@ def pallas_prefill_padded_fp8(problems, mosaic_options=None):
   the padded layout costs ours in FP8 (against pallas_prefill_fp8). Checked against the
   float32 reference of the dequantized inputs, within FP8_TOLERANCE. MHA only. With
   ``mosaic_options``, their Mosaic GPU config (``mosaic_config``) instead of auto's."""
-  if problems[0].kind != "mha":
-    raise Unavailable("MHA only: MLA has no padded entry point")
-  _self_attention_only(problems, "dot_product_attention")
   quantized = [quantize_problem(p) for p in problems]
-  w = problems[0].workload
-  window = _window(w.mask)
-  config = mosaic_config(mosaic_options, quantized[0].problem, padded=True)
-
-  @jax.jit
-  def fn(q, k, v, lens, scales):
-    return pp.dot_product_attention(
-        q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), config=config,
-        **scales)
-
-  args = [a + (f.scales,) for a, f in zip(_padded_qkv([f.problem for f in quantized]),
-                                          quantized)]
-  return Prepared(fn, args, lambda out: _unpad(out, w.q_lens), auto_backend=True,
-                  tolerance=FP8_TOLERANCE,
-                  reference=lambda: reference(quantized[0].dequantized()))
+  prepared = pallas_prefill_padded([f.problem for f in quantized], mosaic_options,
+                                   fp8_scales=[f.scales for f in quantized])
+  return dataclasses.replace(prepared, tolerance=FP8_TOLERANCE,
+                             reference=lambda: reference(quantized[0].dequantized()))
 
 
 def cudnn_padded(problems):

@@ -227,12 +227,10 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
         out[start:start + n, hj] = 0.0
         written[start:start + n, hj] += 1
   assert (written == 1).all(), f"rows written {np.unique(written)} times"
-  keyless_rows = {}
-  if keyless == "stores":  # (the zero jobs write no LSE: the wrapper's)
-    keyless_rows = dict(n_keyed=n_keyed, keyless_lse=(
-        np.full(heads, constants.EMPTY_ROW_LSE) if sink is None else np.asarray(sink)))
-  lse = mosaic_gpu.gathered_lse(lse_buf, lse_slot, q_off, total_q, rows=wgs * bq, xp=np,
-                                **keyless_rows)
+  # (the zero jobs write no LSE: the wrapper's)
+  lse = mosaic_gpu.gathered_lse(lse_buf, lse_slot, q_off, total_q, rows=wgs * bq,
+                                sink_weights=sink, xp=np,
+                                n_keyed=n_keyed if keyless == "stores" else None)
   return out, lse
 
 

@@ -83,18 +83,20 @@ def keyless_units(config: MosaicConfig) -> str:
 
 
 def gathered_lse(lse_items, lse_slot, q_offsets, total_q, *, rows, n_keyed=None,
-                 keyless_lse=None, xp=jnp):
+                 sink_weights=None, xp=jnp):
   """The call's LSE [total_q, num_heads] from the kernel's per-item buffer ``lse_items``
   [num_heads, num_items * rows] (``rows`` a work item's), row r's at slot
   ``lse_slot[r]``. Rows past ``q_offsets[-1]`` belong to no sequence: the empty-row value
   (no sink either). With ``n_keyed`` (``keyless_units="stores"``: the zero jobs write no
   LSE), the rows of the items from ``n_keyed`` on (the key-less ones, which the work list
-  puts last: ``L.S_KEYED``) take ``keyless_lse`` [num_heads], each head's LSE before any
-  key (its sink's logit, or the empty-row value), as a key-less unit writes it. ``xp``:
-  jnp, or np for the tests' float64 emulation of the kernel."""
+  puts last: ``L.S_KEYED``) take each head's LSE before any key, as a key-less unit
+  writes it: its sink's logit (``sink_weights`` [num_heads]), or the empty-row value.
+  ``xp``: jnp, or np for the tests' float64 emulation of the kernel."""
   lse = xp.take(lse_items, lse_slot, axis=1).T
   if n_keyed is not None:
-    lse = xp.where((lse_slot // rows >= n_keyed)[:, None], keyless_lse[None, :], lse)
+    keyless = (EMPTY_ROW_LSE if sink_weights is None
+               else xp.asarray(sink_weights).astype(lse.dtype)[None, :])
+    lse = xp.where((lse_slot // rows >= n_keyed)[:, None], keyless, lse)
   last = xp.max(xp.clip(xp.asarray(q_offsets)[1:].astype(xp.int32), 0, total_q))
   return xp.where((xp.arange(total_q) < last)[:, None], lse, EMPTY_ROW_LSE)
 
@@ -212,12 +214,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   )(*inputs)
   if not return_lse:
     return results[0]
-  keyless = {}
-  if spec.zero_stores:
-    keyless = dict(n_keyed=scalars[L.S_KEYED], keyless_lse=(
-        jnp.full((num_heads,), EMPTY_ROW_LSE, jnp.float32) if sink_weights is None
-        else sink_weights.astype(jnp.float32)))
-  return results[0], gathered_lse(results[1], lse_slot, q_offsets, total_q, rows=rows,
-                                  **keyless)
+  return results[0], gathered_lse(
+      results[1], lse_slot, q_offsets, total_q, rows=rows, sink_weights=sink_weights,
+      n_keyed=scalars[L.S_KEYED] if spec.zero_stores else None)
 
 
