@@ -48,7 +48,7 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-KEYLESS_UNITS = ("first", "spread", "per_head", "stores")  # ``MosaicOptions.keyless_units``
+KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")  # ``MosaicOptions.keyless_units``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,10 @@ class MosaicOptions:
       TMA: the SM's TMA unit keeps loading K/V), so that the zeros spread thinly over
       the whole call (with the LSE, the wrapper fills in the key-less rows' LSE:
       ``mosaic_gpu.gathered_lse``); "first" with split units, or at run time when no
-      item has a KV tile (issue 23, thirty-seventh and forty-first sessions).
+      item has a KV tile (issue 23, thirty-seventh and forty-first sessions). "spans":
+      "stores" with each job a contiguous span of the item's rows across all heads
+      (``kernel.zero_span``: 16 KB a warpgroup in one piece) instead of one head's rows
+      (256-byte pieces a row's heads apart); an experiment (forty-second session).
       "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks "stores" for
       ``dot_product_attention`` (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,

@@ -534,14 +534,16 @@ def test_padded_keyless_units_per_head(case, skip_q):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
+@pytest.mark.parametrize("units", ["stores", "spans"])
 @pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"],
                          ids=lambda c: c.name)
-def test_padded_keyless_stores(case):
+def test_padded_keyless_stores(case, units):
   """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
   zeros as jobs of the keyed units, by plain stores, their LSE from the wrapper (the
-  default's choice, on its tiles without its register and mask options). The results
-  stay exact and every padding row zero."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="stores"))
+  default's choice, on its tiles without its register and mask options; "spans": each
+  job a contiguous run of an item's rows across heads). The results stay exact and every
+  padding row zero."""
+  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units=units))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
@@ -554,12 +556,14 @@ _LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
                                                 dtype="float16"),
                             dataclasses.replace(_PADDED_LARGE, q_lens=(0,) * 6)],
                          ids=lambda c: c.name)
-def test_padded_keyless_stores_three_wgs(case):
-  """Zero jobs ("stores") with three compute warpgroups (``default_mosaic_config``'s
-  register cuts): each warpgroup stores its third of a key-less item's rows. Exact, and
-  every padding row zero (all rows padding: the key-less units run)."""
+@pytest.mark.parametrize("units", ["stores", "spans"])
+def test_padded_keyless_stores_three_wgs(case, units):
+  """Zero jobs ("stores", "spans") with three compute warpgroups
+  (``default_mosaic_config``'s register cuts): each warpgroup stores its third of a
+  key-less item's rows. Exact, and every padding row zero (all rows padding: the
+  key-less units run)."""
   config = pp.MosaicConfig(compute_wgs=3, options=pp.MosaicOptions(
-      keyless_units="stores", row_sum_first=True, q_per_tile=True, column_mask=True))
+      keyless_units=units, row_sum_first=True, q_per_tile=True, column_mask=True))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 

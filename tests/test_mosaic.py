@@ -134,7 +134,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       group=heads // kv_heads, num_programs=programs)
   units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
                         n_keyed=n_keyed if apart else None, spread=keyless == "spread",
-                        stores=keyless == "stores")
+                        stores=keyless in ("stores", "spans"))
   # A key-less item's unit (``keyless_units``) runs each head's rows: no tiles, zeros.
   units = [(hh, w, jobs) for h, w, jobs in units
            for hh in (range(heads) if h == schedule.ALL_HEADS else [h])]
@@ -221,8 +221,16 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       lse_buf[h, (w * wgs + g) * bq:(w * wgs + g + 1) * bq] = lse
       # keyless_units="stores": the unit's zero jobs, after its epilogue
       for hj, wj in jobs:
-        start, n = (int(x) for x in mosaic_kernel.zero_rows(
-            lambda col, wj=wj: table[wj, col], g, bq, total_q))
+        meta = lambda col, wj=wj: table[wj, col]  # noqa: E731
+        if keyless == "spans":  # head slices of the item's rows, all heads
+          row, first, n = (int(x) for x in mosaic_kernel.zero_span(
+              meta, hj, g, wgs=wgs, block_q=bq, num_heads=heads, total_rows=total_q))
+          assert 0 <= n <= bq and (n == 0 or (row * heads + first + n <= total_q * heads
+                                              and row >= 0))
+          out.reshape(total_q * heads, -1)[row * heads + first:row * heads + first + n] = 0.0
+          written.reshape(-1)[row * heads + first:row * heads + first + n] += 1
+          continue
+        start, n = (int(x) for x in mosaic_kernel.zero_rows(meta, g, bq, total_q))
         assert n >= 0 and (n == 0 or start + n <= total_q)  # (n == 0: no store)
         out[start:start + n, hj] = 0.0
         written[start:start + n, hj] += 1
@@ -230,7 +238,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # (the zero jobs write no LSE: the wrapper's)
   lse = mosaic_gpu.gathered_lse(lse_buf, lse_slot, q_off, total_q, rows=wgs * bq,
                                 sink_weights=sink, xp=np,
-                                n_keyed=n_keyed if keyless == "stores" else None)
+                                n_keyed=n_keyed if keyless in ("stores", "spans") else None)
   return out, lse
 
 
@@ -268,7 +276,7 @@ def test_schedule_matches_reference(case, wgs):
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
-@pytest.mark.parametrize("keyless", ["first", "spread", "per_head", "stores"])
+@pytest.mark.parametrize("keyless", ["first", "spread", "per_head", "stores", "spans"])
 @pytest.mark.parametrize("case", [
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
@@ -1146,6 +1154,11 @@ LOWERED = [
         options=pp.MosaicOptions(keyless_units="stores"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(keyless_units="stores", dynamic=False))),
+    # keyless_units="spans": the same jobs as contiguous runs of an item's rows
+    Lowered(total_q=1001, sink=True, lse=True, output_dtype="float32",
+            config=pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="spans"))),
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="spans", dynamic=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

@@ -74,10 +74,10 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
 
 
 def keyless_units(config: MosaicConfig) -> str:
-  """The kernel's ``MosaicOptions.keyless_units``: "stores" becomes "first" where the call
-  runs split units."""
+  """The kernel's ``MosaicOptions.keyless_units``: "stores" (and "spans") becomes "first"
+  where the call runs split units."""
   units = config.options.keyless_units
-  if units == "stores" and config.split_units:
+  if units in ("stores", "spans") and config.split_units:
     return "first"
   return units
 

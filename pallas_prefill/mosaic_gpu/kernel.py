@@ -222,8 +222,8 @@ class KernelSpec:
   @property
   def zero_stores(self) -> bool:
     """Key-less items' zeros as jobs of the keyed units, stored without TMA
-    (``MosaicOptions.keyless_units="stores"``; ``store_zero_jobs``)."""
-    return self.keyless_units == "stores"
+    (``MosaicOptions.keyless_units`` "stores" or "spans"; ``store_zero_jobs``)."""
+    return self.keyless_units in ("stores", "spans")
 
   @property
   def chunks(self):
@@ -1028,8 +1028,14 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
   @pl.loop(0, count)
   def _job(m):
     h, w = zero_job(u + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
-    start, n = zero_rows(lambda col: refs.meta[w, col], wg, spec.block_q, refs.o.shape[0])
-    primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
+    meta = lambda col: refs.meta[w, col]  # noqa: E731
+    if spec.keyless_units == "spans":
+      row, first, n = zero_span(meta, h, wg, wgs=spec.wgs, block_q=spec.block_q,
+                                num_heads=spec.num_heads, total_rows=refs.o.shape[0])
+      primitives.store_zero_slices(refs.o, row, first, n, max_slices=spec.block_q)
+    else:
+      start, n = zero_rows(meta, wg, spec.block_q, refs.o.shape[0])
+      primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)
 
 
 def zero_rows(meta, half, block_q, total_rows):
@@ -1041,6 +1047,22 @@ def zero_rows(meta, half, block_q, total_rows):
   first, n_rows = stored_rows(meta(L.Q_START), meta(L.Q_LEN), row, block_q)
   start = row + first
   return start, jnp.clip(jnp.minimum(n_rows, total_rows - start), 0, block_q)
+
+
+def zero_span(meta, piece, wg, *, wgs, block_q, num_heads, total_rows):
+  """``keyless_units="spans"``: (row, first, n): warpgroup wg's part of piece ``piece``
+  (0 to num_heads - 1) of a key-less item (work-list row ``meta``), as head slices (one
+  head's row, [depth] of the output [rows, heads, depth]) [first, first + n) counted
+  from row ``row``'s first. The item's stored rows (``stored_rows`` of its wgs *
+  block_q rows, cut at ``total_rows``), all heads, are one contiguous run of slices; it
+  is cut into num_heads * wgs parts of block_q slices each (the same count as a head's
+  rows of one warpgroup, ``zero_rows``), part piece * wgs + wg is this one's."""
+  row0 = first_q_row(meta, 0, block_q)
+  first, n_rows = stored_rows(meta(L.Q_START), meta(L.Q_LEN), row0, wgs * block_q)
+  row = row0 + first
+  n_rows = jnp.clip(jnp.minimum(n_rows, total_rows - row), 0, wgs * block_q)
+  lo = (piece * wgs + wg) * block_q
+  return row, lo, jnp.clip(n_rows * num_heads - lo, 0, block_q)
 
 
 def store_unit(spec, refs, item: Item, carry, o_smem, lse_smem):

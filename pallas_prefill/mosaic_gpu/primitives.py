@@ -351,6 +351,45 @@ def store_zero_rows(o_ref, start, n, h, *, max_rows: int):
         jnp.asarray(h, jnp.int32))
 
 
+def store_zero_slices(o_ref, row, first, n, *, max_slices: int):
+  """Zeros into head slices [first, first + n) counted from row ``row``'s first of
+  ``o_ref`` (the output, [rows, heads, depth] in global memory: slice i is head i % heads
+  of row row + i // heads; 0 <= n <= max_slices, within the array) by the warpgroup's 128
+  threads, as ``store_zero_rows``' stores but over one contiguous run of bytes
+  (``MosaicOptions.keyless_units="spans"``). A slice's depth * itemsize bytes must be a
+  multiple of 16."""
+  _, heads, depth = o_ref.shape
+  row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
+  if row_bytes % 16:
+    raise ValueError(f"store_zero_slices: a row of {row_bytes} bytes is not whole 16-byte "
+                     "stores")
+  per_row = row_bytes // 16
+  per_thread = -(-max_slices * per_row // 128)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+  def zeros(_, o, row, first, n):
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    row, first, n = (x.registers[()] for x in (row, first, n))
+    const = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
+    tid = arith.remui(mgpu.utils.thread_idx(), const(128))
+    base = arith.addi(
+        llvm.ptrtoint(i64, mgpu.utils.memref_ptr(o)),
+        arith.addi(arith.muli(arith.extsi(i64, row), const(heads * row_bytes, i64)),
+                   arith.muli(arith.extsi(i64, first), const(row_bytes, i64))))
+    n_chunks = arith.muli(n, const(per_row))
+    zero = const(0)
+    void = ir.Type.parse("!llvm.void")
+    for m in range(per_thread):
+      c = arith.addi(tid, const(128 * m))
+      offset = arith.muli(arith.extui(i64, c), const(16, i64))
+      llvm.inline_asm(void, [arith.addi(base, offset), c, n_chunks, zero], _ZERO_STORE_PTX,
+                      "l,r,r,r", has_side_effects=True)
+
+  zeros(o_ref, jnp.asarray(row, jnp.int32), jnp.asarray(first, jnp.int32),
+        jnp.asarray(n, jnp.int32))
+
+
 def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
   """TMA of rows [start, start + rows) of `src` (a function of a row slice giving a GMEM
   ref view) into `dst`, in two copies that both signal `barrier`: rows - 8 rows, then the
