@@ -48,7 +48,8 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")  # ``MosaicOptions.keyless_units``
+# ``MosaicOptions.keyless_units``
+KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")
 
 
 @dataclasses.dataclass(frozen=True)
