@@ -6,7 +6,7 @@
 # the padded and packed MHA skew16_16k and short64 (the padded call's time against the
 # packed one per arm: "first", the packed default, against "stores" and "spread"). Results in
 # $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two;
-# KEYLESS replaces the arms' placements ("first stores spread"); TESTS_S and ARMS_S
+# KEYLESS replaces the arms' placements ("first stores spread") and SYSTEMS their systems; TESTS_S and ARMS_S
 # bound the two parts' seconds (200, 300); TESTS_K replaces the tests' -k and TEST_FILES
 # their files (tests/test_gpu.py); LOCALITY=1
 # first times zeros written contiguously and head by head
@@ -39,7 +39,7 @@ done
 # shellcheck disable=SC2086
 timeout "${ARMS_S:-300}" python3 -m benchmarks.experiments.arms --rounds 3 --rest 0.3 --out "$out/arms" \
   "${arms[@]}" \
-  --kernels mha --systems pallas_prefill_mosaic pallas_prefill_padded \
+  --kernels mha --systems ${SYSTEMS:-pallas_prefill_mosaic pallas_prefill_padded} \
   --workloads ${WORKLOADS:-skew16_16k short64} > "$out/arms.log" 2>&1
 echo "== arms (rc $?)"; grep -v "rel. error" "$out/arms.log" | tail -20
 grep "rel. error" "$out/arms.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/max error /'
