@@ -6,17 +6,17 @@
 # the padded and packed MHA skew16_16k and short64 (the padded call's time against the
 # packed one per arm: "first", the packed default, against "stores" and "spread"). Results in
 # $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests out; WORKLOADS replaces the two;
-# KEYLESS replaces the arms' placements ("first stores spread") and SYSTEMS their systems; TESTS_S and ARMS_S
-# bound the two parts' seconds (200, 300); TESTS_K replaces the tests' -k and TEST_FILES
-# their files (tests/test_gpu.py); LOCALITY=1
-# first times zeros written contiguously and head by head
+# KEYLESS replaces the arms' placements ("first stores spread") and SYSTEMS their
+# systems; TESTS_S and ARMS_S bound the two parts' seconds (200, 300); TESTS_K replaces
+# the tests' -k and TEST_FILES their files (tests/test_gpu.py); LOCALITY=1 first times
+# zeros written contiguously and head by head
 # (benchmarks/experiments/zero_write_locality.py). The fortieth session ran
 # `KEYLESS="first stores" WORKLOADS="skew16_16k short64 equal4x4096" TESTS_S=170
 # ARMS_S=380 TESTS_K="test_padded_keyless_stores or (test_mosaic_keyless_units and
 # stores)"` at bf29b0c (with an arm for the zero jobs pipelined, since removed); the
-# forty-second `LOCALITY=1 KEYLESS="first stores spans" WORKLOADS="skew16_16k short64
-# equal4x4096" TESTS_S=230 ARMS_S=330 TESTS_K=...` (BUILD_NOTES.md). Since the fortieth
-# "stores" is the padded call's default, so the "first" arm sets it.
+# forty-second session's call for "spans" is in BUILD_NOTES.md (it got no device).
+# Since the fortieth session "stores" is the padded call's default, so the "first" arm
+# sets it.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
