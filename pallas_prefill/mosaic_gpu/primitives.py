@@ -8,6 +8,7 @@ whose last 8 rows may come from elsewhere, zeros stored without TMA
 from __future__ import annotations
 
 import functools
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -314,80 +315,83 @@ _ZERO_STORE_PTX = """{
 }"""
 
 
-def store_zero_rows(o_ref, start, n, h, *, max_rows: int):
-  """Zeros into rows [start, start + n) of head h of ``o_ref`` (the output, [rows, heads,
-  depth] in global memory; 0 <= n <= max_rows, rows within the array) by the
-  warpgroup's 128 threads, with plain 16-byte vector stores, not TMA, left in flight (the
-  kernel's end makes them visible). A row's depth * itemsize bytes must be a multiple
-  of 16."""
+def _store_zeros(o_ref, values, *, max_rows: int, addresses, name: str):
+  """Zeros from the warpgroup's 128 threads into ``o_ref`` (the output, [rows, heads,
+  depth] in global memory) with plain 16-byte vector stores (``_ZERO_STORE_PTX``), not
+  TMA, left in flight (the kernel's end makes them visible): thread t's m-th store is
+  16-byte chunk c = t + 128 m of at most max_rows head rows' worth, at the address
+  ``addresses`` gives. ``addresses(base, values, k)`` (base: o's address as an i64,
+  ``values``: the int32 scalars as registers, ``k``: the constants below) returns a
+  function of c giving (address, index, count): the store happens when index < count.
+  A head row's depth * itemsize bytes must be a multiple of 16."""
   _, heads, depth = o_ref.shape
   row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
   if row_bytes % 16:
-    raise ValueError(f"store_zero_rows: a row of {row_bytes} bytes is not whole 16-byte stores")
+    raise ValueError(f"{name}: a row of {row_bytes} bytes is not whole 16-byte stores")
   per_row = row_bytes // 16
   per_thread = -(-max_rows * per_row // 128)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
-  def zeros(_, o, start, n, h):
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (plgpu.Layout.WG_SPLAT,) * len(values))
+  def zeros(_, o, *values):
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    start, n, h = (x.registers[()] for x in (start, n, h))
+    values = [x.registers[()] for x in values]
     const = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
     tid = arith.remui(mgpu.utils.thread_idx(), const(128))
     base = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(o))
+    k = types.SimpleNamespace(const=const, i64=i64, heads=heads, row_bytes=row_bytes,
+                              per_row=per_row)
+    at = addresses(base, values, k)
     zero = const(0)
     void = ir.Type.parse("!llvm.void")
     for m in range(per_thread):
-      c = arith.addi(tid, const(128 * m))
-      r = arith.divui(c, const(per_row))
-      col = arith.remui(c, const(per_row))
-      row_head = arith.addi(arith.muli(arith.addi(start, r), const(heads)), h)
-      offset = arith.addi(arith.muli(arith.extsi(i64, row_head), const(row_bytes, i64)),
-                          arith.muli(arith.extui(i64, col), const(16, i64)))
-      llvm.inline_asm(void, [arith.addi(base, offset), r, n, zero], _ZERO_STORE_PTX,
-                      "l,r,r,r", has_side_effects=True)
+      address, index, count = at(arith.addi(tid, const(128 * m)))
+      llvm.inline_asm(void, [address, index, count, zero], _ZERO_STORE_PTX, "l,r,r,r",
+                      has_side_effects=True)
 
-  zeros(o_ref, jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32),
-        jnp.asarray(h, jnp.int32))
+  zeros(o_ref, *(jnp.asarray(v, jnp.int32) for v in values))
+
+
+def store_zero_rows(o_ref, start, n, h, *, max_rows: int):
+  """Zeros into rows [start, start + n) of head h of ``o_ref`` (the output, [rows, heads,
+  depth] in global memory; 0 <= n <= max_rows, rows within the array) by the
+  warpgroup's 128 threads (``_store_zeros``)."""
+
+  def addresses(base, values, k):
+    start, n, h = values
+
+    def at(c):
+      r = arith.divui(c, k.const(k.per_row))
+      col = arith.remui(c, k.const(k.per_row))
+      row_head = arith.addi(arith.muli(arith.addi(start, r), k.const(k.heads)), h)
+      offset = arith.addi(
+          arith.muli(arith.extsi(k.i64, row_head), k.const(k.row_bytes, k.i64)),
+          arith.muli(arith.extui(k.i64, col), k.const(16, k.i64)))
+      return arith.addi(base, offset), r, n
+    return at
+
+  _store_zeros(o_ref, (start, n, h), max_rows=max_rows, addresses=addresses,
+               name="store_zero_rows")
 
 
 def store_zero_slices(o_ref, row, first, n, *, max_slices: int):
   """Zeros into head slices [first, first + n) counted from row ``row``'s first of
   ``o_ref`` (the output, [rows, heads, depth] in global memory: slice i is head i % heads
   of row row + i // heads; 0 <= n <= max_slices, within the array) by the warpgroup's 128
-  threads, as ``store_zero_rows``' stores but over one contiguous run of bytes
-  (``MosaicOptions.keyless_units="spans"``). A slice's depth * itemsize bytes must be a
-  multiple of 16."""
-  _, heads, depth = o_ref.shape
-  row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
-  if row_bytes % 16:
-    raise ValueError(f"store_zero_slices: a row of {row_bytes} bytes is not whole 16-byte "
-                     "stores")
-  per_row = row_bytes // 16
-  per_thread = -(-max_slices * per_row // 128)
+  threads (``_store_zeros``), one contiguous run of bytes
+  (``MosaicOptions.keyless_units="spans"``)."""
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
-  def zeros(_, o, row, first, n):
-    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    row, first, n = (x.registers[()] for x in (row, first, n))
-    const = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
-    tid = arith.remui(mgpu.utils.thread_idx(), const(128))
-    base = arith.addi(
-        llvm.ptrtoint(i64, mgpu.utils.memref_ptr(o)),
-        arith.addi(arith.muli(arith.extsi(i64, row), const(heads * row_bytes, i64)),
-                   arith.muli(arith.extsi(i64, first), const(row_bytes, i64))))
-    n_chunks = arith.muli(n, const(per_row))
-    zero = const(0)
-    void = ir.Type.parse("!llvm.void")
-    for m in range(per_thread):
-      c = arith.addi(tid, const(128 * m))
-      offset = arith.muli(arith.extui(i64, c), const(16, i64))
-      llvm.inline_asm(void, [arith.addi(base, offset), c, n_chunks, zero], _ZERO_STORE_PTX,
-                      "l,r,r,r", has_side_effects=True)
+  def addresses(base, values, k):
+    row, first, n = values
+    start = arith.addi(
+        base, arith.addi(
+            arith.muli(arith.extsi(k.i64, row), k.const(k.heads * k.row_bytes, k.i64)),
+            arith.muli(arith.extsi(k.i64, first), k.const(k.row_bytes, k.i64))))
+    n_chunks = arith.muli(n, k.const(k.per_row))
+    return lambda c: (arith.addi(start, arith.muli(arith.extui(k.i64, c),
+                                                   k.const(16, k.i64))), c, n_chunks)
 
-  zeros(o_ref, jnp.asarray(row, jnp.int32), jnp.asarray(first, jnp.int32),
-        jnp.asarray(n, jnp.int32))
+  _store_zeros(o_ref, (row, first, n), max_rows=max_slices, addresses=addresses,
+               name="store_zero_slices")
 
 
 def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
