@@ -219,7 +219,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       written[row + first:row + first + n_rows, h] += 1
       lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
       lse_buf[h, (w * wgs + g) * bq:(w * wgs + g + 1) * bq] = lse
-      # keyless_units="stores": the unit's zero jobs, after its epilogue
+      # keyless_units "stores" and "spans": the unit's zero jobs, after its epilogue
       for hj, wj in jobs:
         meta = lambda col, wj=wj: table[wj, col]  # noqa: E731
         if keyless == "spans":  # head slices of the item's rows, all heads
