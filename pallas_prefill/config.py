@@ -48,8 +48,11 @@ class MhaConfig:
       raise ValueError(f"MhaConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
-# ``MosaicOptions.keyless_units``
+# ``MosaicOptions.keyless_units``, and those whose key-less items are zero jobs of the
+# keyed units (no units of their own where any item is keyed; the wrapper fills in their
+# rows' LSE)
 KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")
+ZERO_JOB_UNITS = ("stores", "spans")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,7 +134,7 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       group=heads // kv_heads, num_programs=programs)
   units = program_units(programs, int(n_live), heads, heads // kv_heads, head_major,
                         n_keyed=n_keyed if apart else None, spread=keyless == "spread",
-                        stores=keyless in ("stores", "spans"))
+                        stores=keyless in config_lib.ZERO_JOB_UNITS)
   # A key-less item's unit (``keyless_units``) runs each head's rows: no tiles, zeros.
   units = [(hh, w, jobs) for h, w, jobs in units
            for hh in (range(heads) if h == schedule.ALL_HEADS else [h])]
@@ -238,7 +238,8 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
   # (the zero jobs write no LSE: the wrapper's)
   lse = mosaic_gpu.gathered_lse(lse_buf, lse_slot, q_off, total_q, rows=wgs * bq,
                                 sink_weights=sink, xp=np,
-                                n_keyed=n_keyed if keyless in ("stores", "spans") else None)
+                                n_keyed=(n_keyed if keyless in config_lib.ZERO_JOB_UNITS
+                                         else None))
   return out, lse
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_prefill.config import MosaicConfig
+from pallas_prefill.config import ZERO_JOB_UNITS, MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE, LOG2_E
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
@@ -74,10 +74,10 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
 
 
 def keyless_units(config: MosaicConfig) -> str:
-  """The kernel's ``MosaicOptions.keyless_units``: "stores" (and "spans") becomes "first"
-  where the call runs split units."""
+  """The kernel's ``MosaicOptions.keyless_units``: zero jobs ("stores", "spans":
+  ``ZERO_JOB_UNITS``) become "first" where the call runs split units."""
   units = config.options.keyless_units
-  if units in ("stores", "spans") and config.split_units:
+  if units in ZERO_JOB_UNITS and config.split_units:
     return "first"
   return units
 
@@ -87,7 +87,7 @@ def gathered_lse(lse_items, lse_slot, q_offsets, total_q, *, rows, n_keyed=None,
   """The call's LSE [total_q, num_heads] from the kernel's per-item buffer ``lse_items``
   [num_heads, num_items * rows] (``rows`` a work item's), row r's at slot
   ``lse_slot[r]``. Rows past ``q_offsets[-1]`` belong to no sequence: the empty-row value
-  (no sink either). With ``n_keyed`` (``keyless_units="stores"``: the zero jobs write no
+  (no sink either). With ``n_keyed`` (zero jobs, ``ZERO_JOB_UNITS``: they write no
   LSE), the rows of the items from ``n_keyed`` on (the key-less ones, which the work list
   puts last: ``L.S_KEYED``) take each head's LSE before any key, as a key-less unit
   writes it: its sink's logit (``sink_weights`` [num_heads]), or the empty-row value.

@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_prefill import masks
+from pallas_prefill.config import ZERO_JOB_UNITS
 from pallas_prefill.constants import EMPTY_ROW_LSE, LN_2, LOG2_E, MASK_VALUE
 from pallas_prefill.fp8 import is_fp8
 from pallas_prefill.mosaic_gpu import layout as L
@@ -222,8 +223,8 @@ class KernelSpec:
   @property
   def zero_stores(self) -> bool:
     """Key-less items' zeros as jobs of the keyed units, stored without TMA
-    (``MosaicOptions.keyless_units`` "stores" or "spans"; ``store_zero_jobs``)."""
-    return self.keyless_units in ("stores", "spans")
+    (``MosaicOptions.keyless_units`` in ``ZERO_JOB_UNITS``; ``store_zero_jobs``)."""
+    return self.keyless_units in ZERO_JOB_UNITS
 
   @property
   def chunks(self):
