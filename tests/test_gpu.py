@@ -435,6 +435,8 @@ PADDED_GPU_CASES = test_padded.PADDED_CASES + [
     _PADDED_LARGE,
     dataclasses.replace(_PADDED_LARGE, lse=True, sink=True, soft_cap=30.0),
     dataclasses.replace(_PADDED_LARGE, window=(511, 0)),
+    # T 4096, every prompt within config.LONG_PROMPT: the short prompts' kernel
+    dataclasses.replace(_PADDED_LARGE, q_lens=(1000, 1, 0, 1024, 77, 512), sink=True),
     dataclasses.replace(_PADDED_LARGE, t=1024, s=3000, q_lens=(1024, 5, 0, 700, 1, 64),
                         kv_lens=(3000, 2999, 7, 0, 1, 1500), lse=True),
     dataclasses.replace(_PADDED_LARGE, t=2048, q_lens=None, kv_lens=None,
