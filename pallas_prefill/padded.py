@@ -25,7 +25,6 @@ from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import mha
 from pallas_prefill import validation as val
-from pallas_prefill.config import LONG_PROMPT, MosaicConfig
 from pallas_prefill.constants import EMPTY_ROW_LSE
 
 LENGTH_DTYPES = (jnp.int32, jnp.uint32)
@@ -98,21 +97,6 @@ def ragged_layout(q_runs, kv_runs, q_seq, kv_seq):
   kv_starts = per_seq(jnp.where(ke > ks, ks + kv_base, 0))
   kv_ends = per_seq(jnp.where(ke > ks, ke + kv_base, 0))
   return q_offsets.astype(jnp.int32), kv_starts, kv_ends
-
-
-def short_prompt_bucket(max_prompt_len: int, config) -> int | None:
-  """The ``max_prompt_len`` of ``dot_product_attention``'s second kernel, or None for one
-  kernel. A padded call knows only T statically; its real prompts may be far shorter (a
-  serving bucket). Above ``config.LONG_PROMPT`` it compiles the kernel for
-  ``LONG_PROMPT`` too and picks one at run time by the longest real query run: the
-  defaults are the short-prompt ones there (the column mask, narrow last tiles and two
-  compute warpgroups on Mosaic GPU; Triton's grid covers LONG_PROMPT rows, not T). Both
-  sum a row's scores the same way (``config.default_mosaic_config``), so a row's bits do
-  not depend on which runs. None where the two would be one kernel: T <= LONG_PROMPT, or
-  a given ``MosaicConfig`` (Mosaic GPU's kernel does not depend on max_prompt_len)."""
-  if max_prompt_len <= LONG_PROMPT or isinstance(config, MosaicConfig):
-    return None
-  return LONG_PROMPT
 
 
 def window_mask(is_causal, local_window_size):
@@ -279,11 +263,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       over several devices and elsewhere), "triton" or "mosaic_gpu", as in ``mha_prefill``.
     interpret: the Pallas interpreter; None: exactly on the CPU.
     config: None (the tuned default), or an ``MhaConfig`` / ``MosaicConfig`` as in
-      ``mha_prefill``. Only T is static, so for T above 1024 (``config.LONG_PROMPT``)
-      the call compiles two kernels and picks one at run time by its longest real
-      query run: the short prompts' (up to 1024 rows) and T's. Short prompts padded to
-      a long T then run as fast as unpadded ones would, a row's bits being the same in
-      both; a ``MosaicConfig`` compiles one (``short_prompt_bucket``).
+      ``mha_prefill``.
 
   Padding rows of key and value are never used, but on Mosaic GPU they must be finite
   (rows next to a sequence's keys enter its matrix products with weight zero, and
@@ -406,19 +386,9 @@ def _padded_attention(query, key, value, q_info, kv_info, sink_weights, scales, 
     per_row = sequences_per_row(q_runs[0].shape[1])
     scales = tuple(jnp.repeat(x, per_row, axis=0) for x in scales)
   flat = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  (a view: no copy)
-  run = functools.partial(mha.head_parallel_mha, flat(query), flat(key), flat(value),
-                          q_offsets, kv_starts, kv_ends, sink_weights, scales,
-                          top_left=True, padded=True)
-  short = short_prompt_bucket(static["max_prompt_len"], static["config"])
-  if short is None:
-    out = run(**static)
-  else:
-    # The kernel for the real prompts' longest, not T's: short prompts padded to a long
-    # T keep the short-prompt config (and Triton's grid) whatever T is.
-    longest = jnp.max(jnp.clip(q_runs[1], 0, t))
-    out = jax.lax.cond(longest <= short,
-                       lambda: run(**dict(static, max_prompt_len=short)),
-                       lambda: run(**static))
+  out = mha.head_parallel_mha(flat(query), flat(key), flat(value), q_offsets, kv_starts,
+                              kv_ends, sink_weights, scales, top_left=True, padded=True,
+                              **static)
   if not static["return_lse"]:
     return out.reshape(batch, t, num_heads, value.shape[-1])
   out, lse = out

@@ -101,7 +101,6 @@ def _cases():
   r = dataclasses.replace
   seg = r(base, t=48, q_lens=None, kv_lens=None, segments=SEG_ROWS, max_segments=32)
   cross = r(base, t=48, s=80, q_lens=(48, 5, 0, 20), kv_lens=(80, 0, 7, 33))
-  long_t = r(base, t=1100, heads=2, kv_heads=1, head_dim=32)
   return [
       base,
       r(base, is_causal=False),
@@ -126,15 +125,6 @@ def _cases():
       r(seg, s=40, kv_segments=KV_SEG_ROWS, lse=True),  # cross-attention pair
       r(seg, s=40, kv_segments=KV_SEG_ROWS, is_causal=False),
       r(base, jit=True, lse=True), r(seg, jit=True, sink=True, lse=True),
-      # T above config.LONG_PROMPT: the kernel for T (a prompt longer than LONG_PROMPT),
-      # and the one for LONG_PROMPT (every prompt within it, one exactly at it), picked at
-      # run time (padded.short_prompt_bucket)
-      r(long_t, q_lens=(1100, 30, 0)),
-      r(long_t, q_lens=(700, 1024, 0), sink=True, lse=True),
-      r(long_t, q_lens=(700, 1025, 0), jit=True, lse=True),
-      r(long_t, q_lens=None, kv_lens=None, segments=(tuple([1] * 1024 + [0] * 76),
-                                                     tuple([2] * 50 + [3] * 1000 + [0] * 50)),
-        max_segments=2, jit=True),
   ]
 
 
@@ -603,89 +593,3 @@ def test_concrete_segment_ids_inside_a_jit():
   jitted = np.asarray(jax.jit(call)(q, k, v))
   np.testing.assert_array_equal(jitted, eager)
   assert np.abs(eager[ids != 0]).min() > 0 and not eager[ids == 0].any()
-
-
-# --------------------------------------------------------------------------------------
-# T above config.LONG_PROMPT: a second kernel for the short prompts, picked at run time.
-
-def _pallas_grids(jaxpr) -> list:
-  """The grids of a jaxpr's pallas_calls, nested jaxprs (cond branches, pjit) included."""
-  grids = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      grids.append(tuple(eqn.params["grid_mapping"].grid))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-        if hasattr(sub, "eqns"):
-          grids += _pallas_grids(sub)
-  return grids
-
-
-@pytest.mark.parametrize("t,config,expected", [
-    (1024, None, [(2, 16, 9)]),  # T = LONG_PROMPT: one kernel
-    (1100, None, [(2, 16, 9), (2, 18, 9)]),  # the short prompts' grid, T's
-    (4096, pp.MhaConfig(block_q=128, block_kv=32), [(2, 8, 9), (2, 32, 9)]),
-])
-def test_long_t_compiles_a_kernel_for_short_prompts(t, config, expected):
-  """Above ``config.LONG_PROMPT`` the padded call holds two kernels under a ``cond``: the
-  one for ``LONG_PROMPT`` (Triton: a grid of LONG_PROMPT's query tiles, not T's; Mosaic
-  GPU: the short-prompt config) and T's (``padded.short_prompt_bucket``)."""
-  q = jax.ShapeDtypeStruct((3, t, 2, 32), jnp.float32)
-  kv = jax.ShapeDtypeStruct((3, t, 1, 32), jnp.float32)
-  n = jax.ShapeDtypeStruct((3,), jnp.int32)
-  fn = lambda q, k, v, n: pp.dot_product_attention(  # noqa: E731
-      q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True, config=config,
-      interpret=True)
-  jaxpr = jax.make_jaxpr(fn)(q, kv, kv, n).jaxpr
-  assert sorted(_pallas_grids(jaxpr)) == expected
-  assert pp.padded.short_prompt_bucket(t, config) == (None if t <= 1024 else 1024)
-  assert pp.padded.short_prompt_bucket(4096, pp.MosaicConfig()) is None
-
-
-def test_a_rows_bits_do_not_depend_on_the_kernel_picked():
-  """A batch row's output and LSE bits are the same whichever kernel the batch's longest
-  prompt picks (T 1100: every prompt within LONG_PROMPT, or one past it), both checked
-  against the reference."""
-  seed = shared.fresh_seed()
-  rng = np.random.default_rng(seed)
-  t = 1100
-  q, k, v = (jnp.asarray(rng.standard_normal((2, t, h, 32)), jnp.bfloat16) for h in (2, 1, 1))
-  results = []
-  for longest in (1024, 1100):
-    lens = jnp.asarray([300, longest], jnp.int32)
-    kw = dict(query_seq_lengths=lens, key_value_seq_lengths=lens, is_causal=True,
-              return_lse=True)
-    out, lse = pp.dot_product_attention(q, k, v, **kw)
-    ref_out, _ = pp.reference.dot_product_attention_reference(q, k, v, **kw)
-    err = shared.rel_err(np.asarray(out, np.float32), np.asarray(ref_out))
-    assert err < shared.TOLERANCE["bfloat16"], f"seed={seed}: {err}"
-    results.append((np.asarray(out[0, :300], np.float32), np.asarray(lse[0, :300])))
-  for a, b in zip(*results):
-    np.testing.assert_array_equal(a, b, err_msg=f"seed={seed}")
-
-
-def test_long_t_lowers_two_mosaic_kernels_for_an_h200():
-  """On Mosaic GPU at T 2048 the call lowers the short prompts' kernel (the column mask)
-  and T's, two different kernels; with a ``MosaicConfig`` given, one."""
-  from tests import lowered  # pylint: disable=g-import-not-at-top
-  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
-  s = jax.ShapeDtypeStruct
-  q, kv, n = (s((2, 2048, 8, 128), jnp.bfloat16), s((2, 2048, 2, 128), jnp.bfloat16),
-              s((2,), jnp.int32))
-
-  def attention_kernels(config):
-    fn = lambda q, k, v, n: pp.dot_product_attention(  # noqa: E731
-        q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
-        backend="mosaic_gpu", interpret=False, config=config)
-    module = lower_for_h200(fn, q, kv, kv, n).compiler_ir()
-    calls = lowered.custom_calls(module)
-    kernels = [c for c in calls if any(
-        getattr(o.type, "shape", None) and len(o.type.shape) == 3 for o in c.operands)]
-    return kernels, lowered.kernel_texts(module)
-
-  kernels, texts = attention_kernels(None)
-  # (each branch also has the work list's kernel, the same in both)
-  assert len(kernels) == 2 and len(texts) == 4 and len(set(texts)) == 3, len(kernels)
-  kernels, _ = attention_kernels(pp.MosaicConfig())
-  assert len(kernels) == 1
