@@ -534,7 +534,7 @@ def test_padded_keyless_units_per_head(case, skip_q):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
-@pytest.mark.parametrize("units", ["stores", "spans"])
+@pytest.mark.parametrize("units", pp.config.ZERO_JOB_UNITS)
 @pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"],
                          ids=lambda c: c.name)
 def test_padded_keyless_stores(case, units):
@@ -556,7 +556,7 @@ _LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
                                                 dtype="float16"),
                             dataclasses.replace(_PADDED_LARGE, q_lens=(0,) * 6)],
                          ids=lambda c: c.name)
-@pytest.mark.parametrize("units", ["stores", "spans"])
+@pytest.mark.parametrize("units", pp.config.ZERO_JOB_UNITS)
 def test_padded_keyless_stores_three_wgs(case, units):
   """Zero jobs ("stores", "spans") with three compute warpgroups
   (``default_mosaic_config``'s register cuts): each warpgroup stores its third of a

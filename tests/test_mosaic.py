@@ -277,7 +277,7 @@ def test_schedule_matches_reference(case, wgs):
   check_emulated(case, config, args, kwargs, last_row, tag=f"{case.name} seed={seed}")
 
 
-@pytest.mark.parametrize("keyless", ["first", "spread", "per_head", "stores", "spans"])
+@pytest.mark.parametrize("keyless", config_lib.KEYLESS_UNITS)
 @pytest.mark.parametrize("case", [
     cases.Case(lens=(300, 0, 7, 200, 64, 65, 1), kv_lens=(5, 0, 300, 0, 77, 13, 0),
                heads=4, kv_heads=2, head_dim=64, lse=True, sink=True, extra_rows=700,
