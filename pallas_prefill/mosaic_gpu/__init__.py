@@ -75,9 +75,12 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
 
 def keyless_units(config: MosaicConfig) -> str:
   """The kernel's ``MosaicOptions.keyless_units``: zero jobs ("stores", "spans":
-  ``ZERO_JOB_UNITS``) become "first" where the call runs split units."""
+  ``ZERO_JOB_UNITS``) and "apart" (two claim counters) become "first" where the call runs
+  split units, and "apart" also under the static deal."""
   units = config.options.keyless_units
-  if units in ZERO_JOB_UNITS and config.split_units:
+  if units in ZERO_JOB_UNITS + ("apart",) and config.split_units:
+    return "first"
+  if units == "apart" and not config.options.dynamic:
     return "first"
   return units
 
@@ -193,7 +196,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile,
       column_mask=config.options.column_mask,
       column_lo_static=config.options.column_lo_static,
-      narrow_last_tile=config.options.narrow_last_tile)
+      narrow_last_tile=config.options.narrow_last_tile,
+      zero_programs=config.options.zero_programs)
   kernel = functools.partial(attention_kernel, spec=spec)
   scalars = inputs[1]
   if config.options.dynamic:
