@@ -93,7 +93,10 @@ def main(argv=None):
   rows = []
   for kind in args.kernels:
     for name in args.workloads:
-      rows += run_workload(kind, wl.WORKLOADS[name], arms, args)
+      done = run_workload(kind, wl.WORKLOADS[name], arms, args)
+      rows += done
+      # (each workload's rows as they come: a call cut short keeps the ones done)
+      print(table(done, next(iter(arms))), flush=True)
   text = table(rows, next(iter(arms)))
   print(text)
   if args.out:
