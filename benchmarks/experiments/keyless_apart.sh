@@ -8,7 +8,8 @@
 # rounds in turns, on the padded and packed MHA skew16_16k and short64, (3) the GPU
 # tests of both placements (last: the arms decide whether they matter). Results in $OUT (or ./h200-out). SKIP_TESTS=1 leaves the tests
 # out; TESTS_S and ARMS_S bound the two parts' seconds (150, 300); ZERO_PROGRAMS replaces
-# the "apart" arms' program counts ("4 8 16"); WORKLOADS the two workloads.
+# the "apart" arms' program counts ("4 8 16"), PLACEMENTS the other arms ("stores spans":
+# the first is the baseline) and WORKLOADS the two workloads.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -16,7 +17,10 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLO
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 echo "== zeros written by all programs and by a few"
 timeout 60 python3 -m benchmarks.experiments.zero_write_locality 2>&1 | tee "$out/zero-write-locality.log"
-arms=(--arm stores "keyless_units='stores'" --arm spans "keyless_units='spans'")
+arms=()
+for placement in ${PLACEMENTS:-stores spans}; do
+  arms+=(--arm "$placement" "keyless_units='$placement'")
+done
 for n in ${ZERO_PROGRAMS:-4 8 16}; do
   arms+=(--arm "apart$n" "keyless_units='apart'" "zero_programs=$n")
 done
