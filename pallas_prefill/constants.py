@@ -12,3 +12,6 @@ EMPTY_ROW_LSE = -1e30
 # The kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2_E), ln(x) = log2(x) * LN_2.
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+# The largest sink logit the kernels take (sink * LOG2_E must stay finite in float32):
+# larger concrete sink weights raise ValueError, traced ones are taken as SINK_MAX.
+SINK_MAX = 1e38

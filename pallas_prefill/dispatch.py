@@ -16,7 +16,7 @@ from pallas_prefill import mosaic_gpu
 from pallas_prefill import triton as triton_backend
 from pallas_prefill.config import (MhaConfig, MosaicConfig, default_mosaic_config, is_hopper,
                                    prefers_triton)
-from pallas_prefill.constants import EMPTY_ROW_LSE
+from pallas_prefill.constants import EMPTY_ROW_LSE, SINK_MAX
 from pallas_prefill.logits import pad_depth, padded_depth
 
 MAX_GRID_DIM = triton_backend.MAX_GRID_DIM
@@ -65,6 +65,10 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
   if batch > MAX_GRID_DIM:
     raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_DIM}: it is the launch "
                      "grid's z dimension, which CUDA limits")
+  if sink_weights is not None:
+    # Concrete sinks above SINK_MAX were refused; traced ones are clamped, so that
+    # sink * log2(e) stays finite in the kernels (an inf maximum would give NaN rows).
+    sink_weights = jnp.minimum(sink_weights.astype(jnp.float32), SINK_MAX)
   if total_q == 0 or v.shape[0] == 0:
     # No query, or no key anywhere: nothing for a kernel to do (and nothing to index).
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,

@@ -27,6 +27,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   ``q_len`` positions of the sequence: query i sits at position ``start_pos + i`` with
   ``start_pos = kv_len - q_len``, so a longer K/V range is a cached prefix and a shorter one
   (cross-attention) leaves the first queries seeing no key, which then output zeros.
+  Forward only: no gradient is defined (``jax.grad`` through it fails inside Pallas).
 
   Args:
     q: [total_q, num_heads, head_dim], bfloat16, float16 or float32.
@@ -64,7 +65,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       relative error against q as given on normal data and 1.5e-1 with 3 outlier
       channels 30x larger (large logits), against 2e-3 on Triton.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
-      denominator gains exp(sink - max); the sink contributes no value.
+      denominator gains exp(sink - max); the sink contributes no value. At most 1e38
+      (checked when concrete; a traced larger one is taken as 1e38).
     output_dtype: dtype of the output; default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp of each row's logits, sink
       included, for merging chunks (rows that see no key and have no sink: -1e30).
@@ -103,7 +105,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       is not finite in float32), and, when the offsets are concrete, the data problems
       ``validate_offsets`` finds (and, for a concrete PagedKV, page ids out of range, a
       cache longer than its pages, or a V whose block table or cache lengths differ from
-      K's; concrete sink weights that are not finite; concrete FP8 scales that are not
+      K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales that are not
       finite and > 0). Under jit nothing checks these values; the kernel clamps every
       index, so garbage offsets, page ids or cache lengths give garbage rows but never an
       access outside the arrays or NaN.

@@ -32,7 +32,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   rope operand is unused, this computes the rope term (the contract of MAX's older
   ``flare_mla_prefill``). Offsets, positions (start_pos = kv_len - q_len), masks, LSE,
   output_dtype, config, interpret, validation and clamping are exactly as in
-  ``mha_prefill``.
+  ``mha_prefill``. Forward only, as ``mha_prefill``.
 
   Args:
     q: [total_q, num_heads, d_nope + d_rope], bfloat16, float16 or float32; nope first.

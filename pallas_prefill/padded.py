@@ -116,9 +116,9 @@ def window_mask(is_causal, local_window_size):
   left, right = (int(w) for w in window)
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
-  if max(left, right) >= masks_lib.MAX_SPAN:
-    raise ValueError(f"local_window_size must be below 2**30 on each side, got "
-                     f"{local_window_size!r}")
+  if left >= masks_lib.MAX_SPAN or (right >= masks_lib.MAX_SPAN and not is_causal):
+    raise ValueError(f"local_window_size must be below 2**30 on each side (the right one "
+                     f"is hidden by is_causal), got {local_window_size!r}")
   if right > 0 and not is_causal:
     raise ValueError(
         f"local_window_size={local_window_size!r} without is_causal lets queries see "
@@ -216,7 +216,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
                           backend=None, interpret=None, config=None, q_scale=None,
                           k_scale=None, v_scale=None):
   """Attention over a padded batch, with ``jax.nn.dot_product_attention``'s layout and
-  meaning, computing only the real tokens.
+  meaning, computing only the real tokens. Forward only, as ``mha_prefill``.
 
   Args:
     query: [batch, T, num_heads, head_dim], bfloat16, float16 or float32; with FP8 key
@@ -241,7 +241,9 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       pair (q_ids [batch, T], kv_ids [batch, S]) for cross-attention: each maximal run of
       equal ids in a row is one sequence (the k-th query run attends over the k-th key
       run), positions restart at each run, and tokens whose id is
-      ``padding_segment_id`` are padding. Not together with the lengths.
+      ``padding_segment_id`` are padding. Not together with the lengths. Unlike the
+      id-equality masks of MaxText or splash attention, an id repeated in separate runs
+      of a row (e.g. [1, 1, 2, 2, 1, 1]) makes separate sequences.
     padding_segment_id: the static int id of padding tokens (MaxText: 0, Levanter: -1);
       None: every token belongs to a sequence.
     max_segments: static int bound on the sequences per batch row; None: counted from
@@ -282,7 +284,7 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       dtype, lengths with segment ids, a window the masks cannot express,
       logits_soft_cap <= 0), concrete lengths outside [0, T] or [0, S], concrete
       segment ids with more sequences in a row than max_segments, concrete sink weights
-      that are not finite and concrete FP8 scales that are not finite and > 0; more
+      that are not finite or above 1e38 and concrete FP8 scales that are not finite and > 0; more
       than 65535 sequences in all (batch * (2 * max_segments + 1), a launch grid's
       limit). Under jit nothing checks values: lengths and runs are clamped, so garbage
       gives garbage rows but no access outside the arrays or NaN.

@@ -13,6 +13,7 @@ from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill.checks import check_array, check_offsets
 from pallas_prefill.config import MhaConfig, MosaicConfig
+from pallas_prefill.constants import SINK_MAX
 from pallas_prefill.paged import PagedKV, check_paged, validate_paged
 
 MAX_HEAD_DIM = 256
@@ -91,10 +92,11 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
         "mask must be one of pallas_prefill.masks.CausalMask(), NullMask(), "
         f"SlidingWindowCausalMask(window), ChunkedCausalMask(chunk); got {mask!r}")
   if scale is not None and (
-      isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
-      or not math.isfinite(as_float32(scale))):
-    raise TypeError(f"scale must be a finite Python float or None, got {scale!r} (it must "
-                    "be finite in float32, the softmax's dtype, too)")
+      isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))):
+    raise TypeError(f"scale must be a finite Python float or None, got {scale!r}")
+  if scale is not None and not math.isfinite(as_float32(scale)):
+    raise ValueError(f"scale must be a finite Python float or None, got {scale!r} (it must "
+                     "be finite in float32, the softmax's dtype, too)")
   if output_dtype is not None:
     try:
       ok = jnp.dtype(output_dtype) in [jnp.dtype(d) for d in INPUT_DTYPES]
@@ -203,10 +205,11 @@ def check_sink_weights(sink_weights, num_heads):
                      f"got {sink_weights.dtype}{tuple(sink_weights.shape)}")
   if is_concrete(sink_weights):
     w = np.asarray(sink_weights, np.float32)
-    bad = np.flatnonzero(~np.isfinite(w))
+    bad = np.flatnonzero(~(np.isfinite(w) & (w <= SINK_MAX)))
     if bad.size:
-      raise ValueError(f"sink_weights must be finite, got sink_weights[{bad[0]}] = "
-                       f"{w[bad[0]]} (a head without a sink: pass a large negative logit)")
+      raise ValueError(f"sink_weights must be finite and at most {SINK_MAX:g} (the kernels "
+                       f"take sink * log2(e) in float32), got sink_weights[{bad[0]}] = "
+                       f"{w[bad[0]]:g} (a head without a sink: pass a large negative logit)")
 
 
 def check_heads(num_heads, num_kv_heads):

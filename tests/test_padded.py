@@ -16,7 +16,7 @@ import pytest
 import pallas_prefill as pp
 from pallas_prefill import config as config_lib
 from pallas_prefill import masks
-from pallas_prefill.constants import EMPTY_ROW_LSE
+from pallas_prefill.constants import EMPTY_ROW_LSE, SINK_MAX
 from tests import cases as shared
 
 
@@ -498,6 +498,8 @@ ERRORS = [
     (dict(backend="cuda"), ValueError, "backend"),
     (dict(local_window_size=(2**31, 0), is_causal=True), ValueError,
      r"local_window_size must be below 2\*\*30 on each side"),
+    (dict(local_window_size=(0, 2**31)), ValueError,
+     r"local_window_size must be below 2\*\*30 on each side"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.int32), padding_segment_id=2**40), ValueError,
      "padding_segment_id must fit in int32"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.int8), padding_segment_id=1000), ValueError,
@@ -556,6 +558,39 @@ def test_a_query_run_without_a_key_run_reports_its_sink():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(lse[0, 4:]), np.tile(np.asarray(sink), (2, 1)))
   assert not np.asarray(out[0, 4:]).any() and np.asarray(out[0, :4]).any()
+
+
+def test_a_causal_window_may_have_any_right_side():
+  """Under is_causal the window's right side is hidden: (5, 2**31) is (5, 0)."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(shared.fresh_seed() + i), shape)
+             for i, shape in enumerate([(2, 12, 2, 16), (2, 12, 1, 16), (2, 12, 1, 16)]))
+  call = functools.partial(pp.dot_product_attention, q, k, v, is_causal=True,
+                           interpret=True)
+  wide = np.asarray(call(local_window_size=(5, 2**31)))
+  np.testing.assert_array_equal(wide, np.asarray(call(local_window_size=(5, 0))))
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(5, 0),
+                                     implementation="xla")
+  np.testing.assert_allclose(wide, np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_sinks_past_the_limit_are_clamped():
+  """A traced sink weight above SINK_MAX (concrete ones raise) is taken as SINK_MAX:
+  finite rows that it drowns, its head's LSE SINK_MAX; sink * log2(e) overflowed to inf
+  and gave NaN rows once."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(shared.fresh_seed() + i), shape)
+             for i, shape in enumerate([(1, 8, 2, 16), (1, 8, 1, 16), (1, 8, 1, 16)]))
+  sinks = jnp.asarray([3.0e38, 0.5], jnp.float32)
+  out, lse = jax.jit(lambda w: pp.dot_product_attention(
+      q, k, v, sink_weights=w, is_causal=True, return_lse=True, interpret=True))(sinks)
+  out, lse = np.asarray(out), np.asarray(lse)
+  assert np.isfinite(out).all() and np.isfinite(lse).all()
+  np.testing.assert_array_equal(out[..., 0, :], 0.0)
+  np.testing.assert_allclose(lse[..., 0], SINK_MAX, rtol=1e-6)
+  ref_out, ref_lse = pp.reference.dot_product_attention_reference(
+      q, k, v, sink_weights=sinks, is_causal=True, return_lse=True)
+  np.testing.assert_allclose(out[..., 1, :], np.asarray(ref_out)[..., 1, :], rtol=1e-4,
+                             atol=1e-5)
+  np.testing.assert_allclose(lse[..., 1], np.asarray(ref_lse)[..., 1], rtol=1e-5, atol=1e-5)
 
 
 def test_one_segment_array_needs_equal_lengths():
