@@ -51,7 +51,7 @@ class MhaConfig:
 # ``MosaicOptions.keyless_units``, and those whose key-less items are zero jobs of the
 # keyed units (no units of their own where any item is keyed; the wrapper fills in their
 # rows' LSE)
-KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans", "apart")
+KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")
 ZERO_JOB_UNITS = ("stores", "spans")
 
 
@@ -100,11 +100,6 @@ class MosaicOptions:
       "stores" with each job a contiguous span of the item's rows across all heads
       (``kernel.zero_span``: 16 KB a warpgroup in one piece) instead of one head's rows
       (256-byte pieces a row's heads apart); an experiment (forty-second session).
-      "apart": "first"'s units, claimed from two counters: the first ``zero_programs``
-      programs take the key-less units first and the others the keyed ones, each turning
-      to the other queue when its own is empty, so that a few programs store the zeros
-      beside the others' matrix products over the whole call (with the static deal,
-      dealt or split units: "first"); an experiment (forty-fourth session).
       "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks "stores" for
       ``dot_product_attention`` (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
@@ -198,8 +193,6 @@ class MosaicOptions:
       mask at depth 128 (on the H100 1.014x-1.026x on MHA short64, 1.012x-1.018x on
       skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
       BUILD_NOTES.md, thirty-fifth session).
-    zero_programs: with ``keyless_units="apart"``, how many programs (the first ones)
-      take the key-less units before the keyed ones (at least 1).
   """
 
   dynamic: bool = True
@@ -223,7 +216,6 @@ class MosaicOptions:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  zero_programs: int = 8
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
@@ -240,9 +232,6 @@ class MosaicOptions:
     if self.keyless_units not in KEYLESS_UNITS:
       raise ValueError(f"MosaicOptions.keyless_units must be one of {KEYLESS_UNITS}, got "
                        f"{self.keyless_units!r}")
-    if not _is_int(self.zero_programs) or self.zero_programs < 1:
-      raise ValueError(f"MosaicOptions.zero_programs must be an int >= 1, got "
-                       f"{self.zero_programs!r}")
     if (isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int)
         or not 0 <= self.poly_exp2 <= 8):
       raise ValueError(f"MosaicOptions.poly_exp2 must be an int in [0, 8], got "

@@ -344,13 +344,9 @@ def test_bad_mask_or_config_raises_when_built(make, match):
     (lambda: pp.MosaicConfig(block_q=64.0), r"^MosaicConfig\.block_q must be 64"),
     (lambda: pp.MosaicOptions(head_major=1.0),
      r"^MosaicOptions\.head_major must be None, 0 or 1, got 1\.0"),
-    (lambda: pp.MosaicOptions(zero_programs=0),
-     r"^MosaicOptions\.zero_programs must be an int >= 1, got 0"),
-    (lambda: pp.MosaicOptions(zero_programs=True),
-     r"^MosaicOptions\.zero_programs must be an int >= 1, got True"),
 ], ids=["window_2_31", "chunk_past_2_30", "num_warps_float", "mosaic_block_kv_float",
         "mosaic_block_kv_512",
-        "mosaic_block_q_float", "head_major_float", "zero_programs_0", "zero_programs_bool"])
+        "mosaic_block_q_float", "head_major_float"])
 def test_out_of_range_or_float_masks_and_configs_raise(make, match):
   """Spans that would overflow int32 positions (which can be negative), and floats where
   an int is meant (they used to pass the ``in (...)`` checks)."""

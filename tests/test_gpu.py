@@ -548,19 +548,6 @@ def test_padded_keyless_stores(case, units):
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
 
 
-@pytest.mark.parametrize("zero_programs", [1, 8])
-@pytest.mark.parametrize("case", [c for c in PADDED_GPU_CASES if c.dtype != "float32"][1::4],
-                         ids=lambda c: c.name)
-def test_padded_keyless_apart(case, zero_programs):
-  """``MosaicOptions(keyless_units="apart")`` on the padded layouts: the key-less units
-  from a counter of their own, first on the first ``zero_programs`` programs. The
-  results stay exact and every padding row zero."""
-  config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="apart",
-                                                    zero_programs=zero_programs))
-  poison_device_memory()
-  test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
-
-
 _LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
 
 
@@ -617,15 +604,6 @@ def _options(case, **kw):
     _options(dataclasses.replace(_KEYLESS, kv_lens=(0,) * 7), keyless_units="stores"),
     _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,
                                  extra_rows=600), keyless_units="stores"),
-    # two claim counters, the key-less units first on a few programs (on 3: all of them;
-    # on 1 of 3: the others take the keyed units first)
-    _options(_KEYLESS, keyless_units="apart"),
-    _options(dataclasses.replace(_KEYLESS, config=pp.MosaicConfig(num_programs=3)),
-             keyless_units="apart", zero_programs=1),
-    _options(dataclasses.replace(_KEYLESS, lse=False, kv_lens=(0,) * 7),
-             keyless_units="apart", zero_programs=1),
-    _options(dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,
-                                 extra_rows=600), keyless_units="apart", zero_programs=2),
     dataclasses.replace(_KEYLESS, head_dim=256, kv_heads=2, heads=8),  # one output buffer
     dataclasses.replace(_KEYLESS, lse=False, sink=False, head_dim_v=64),
     dataclasses.replace(_DEEPSEEK, kv_lens=(5, 0, 3000, 0, 900, 513), lse=True,
@@ -635,7 +613,7 @@ def test_mosaic_keyless_units(case):
   """Key-less items (queries whose K/V are empty, rows past the last offset) run as one
   unit for all heads, first (``MosaicOptions.keyless_units``, the default) or spread
   among the others, or as zero jobs of the keyed units ("stores"; every item key-less:
-  units again), or claimed from their own counter ("apart"): zeros and the sink's LSE on every head's rows, under the static deal,
+  units again): zeros and the sink's LSE on every head's rows, under the static deal,
   the dealt order, XLA's work list, split units, one output buffer (depth 256, MLA with
   the LSE; MLA has no sinks) and V depth 64."""
   cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")

@@ -75,12 +75,9 @@ def native_fp8_pages(v_depth: int, config: MosaicConfig) -> bool:
 
 def keyless_units(config: MosaicConfig) -> str:
   """The kernel's ``MosaicOptions.keyless_units``: zero jobs ("stores", "spans":
-  ``ZERO_JOB_UNITS``) and "apart" (two claim counters) become "first" where the call runs
-  split units, and "apart" also under the static deal."""
+  ``ZERO_JOB_UNITS``) become "first" where the call runs split units."""
   units = config.options.keyless_units
-  if units in ZERO_JOB_UNITS + ("apart",) and config.split_units:
-    return "first"
-  if units == "apart" and not config.options.dynamic:
+  if units in ZERO_JOB_UNITS and config.split_units:
     return "first"
   return units
 
@@ -196,8 +193,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile,
       column_mask=config.options.column_mask,
       column_lo_static=config.options.column_lo_static,
-      narrow_last_tile=config.options.narrow_last_tile,
-      zero_programs=config.options.zero_programs)
+      narrow_last_tile=config.options.narrow_last_tile)
   kernel = functools.partial(attention_kernel, spec=spec)
   scalars = inputs[1]
   if config.options.dynamic:

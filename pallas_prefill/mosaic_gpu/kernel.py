@@ -190,7 +190,6 @@ class KernelSpec:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  zero_programs: int = 0
 
   @property
   def narrow_tiles(self) -> bool:
@@ -382,7 +381,6 @@ class Units:
     self.n_keyed, self.n_keyless = n_keyed, n_keyless
     keyless_units = (stores_keyless_units(n_keyed, n_keyless) if spec.zero_stores
                      else n_keyless)
-    self.n_keyless_units = keyless_units
     self.n_units = (num_units(spec.num_heads, n_keyed, keyless_units)
                     * (spec.wgs if spec.split else 1))
     # Unit u (claimed, or dealt) in the order ``schedule.dynamic_schedule`` picked.
@@ -428,15 +426,7 @@ class Units:
     dealt = dealt_unit(lax.axis_index("cta"), lax.axis_size("cta"), k)
     if self.spec.split:  # both lanes of a program take the halves of the units it is dealt
       dealt = dealt * self.spec.wgs + self.lane
-    dealt = jnp.where(scalars[L.S_DEAL] != 0, dealt, -1)
-    if self.spec.keyless_units == "apart":
-      # Two queues (``MosaicOptions.keyless_units``): the key-less units [0, n_keyless),
-      # first for the first ``zero_programs`` programs, and the keyed ones after them.
-      primitives.claim(scalars, scratch.units, s, dealt, queues=(
-          lax.axis_index("cta") < self.spec.zero_programs, self.n_keyless_units,
-          self.n_units - self.n_keyless_units))
-    else:
-      primitives.claim(scalars, scratch.units, s, dealt)
+    primitives.claim(scalars, scratch.units, s, jnp.where(scalars[L.S_DEAL] != 0, dealt, -1))
     u = scratch.units[s]
     plgpu.barrier_arrive(scratch.unit_ready.at[s])
     return u

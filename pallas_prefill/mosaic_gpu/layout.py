@@ -47,10 +47,9 @@ NO_SHIFT_ROW = 2**30
 # (``primitives.claim``): 0 before the call, one more per claim; and the lane that says
 # whether the programs take the units the static zigzag deals them instead
 # (``schedule.dynamic_schedule``). Then the items that run and have KV tiles (they come
-# first: the rest of the items that run store only zeros, ``schedule.unit_of``). Last,
-# with ``MosaicOptions.keyless_units="apart"``, the lane the key-less units are claimed
-# from (0 before the call, as ``S_NEXT``). The operand has ``SCALAR_LANES`` lanes or more.
-S_LIVE, S_TAIL8, S_HEAD_MAJOR, S_KV_TAIL, S_NEXT, S_DEAL, S_KEYED, S_NEXT_KEYLESS = range(8)
+# first: the rest of the items that run store only zeros, ``schedule.unit_of``). The
+# operand has ``SCALAR_LANES`` lanes or more.
+S_LIVE, S_TAIL8, S_HEAD_MAJOR, S_KV_TAIL, S_NEXT, S_DEAL, S_KEYED = range(7)
 SCALAR_LANES = 8
 
 # Native paged K/V (a TMA per tile from its page) needs pages of at least this many rows;

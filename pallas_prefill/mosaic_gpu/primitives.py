@@ -278,74 +278,30 @@ def read_only_ref() -> plgpu.RefType:
   return plgpu.RefType(write=False) if "write" in fields else plgpu.RefType()
 
 
-def _if_else(cond, then_fn, else_fn):
-  """The i32 of ``then_fn()`` where ``cond`` (an i1) holds, else ``else_fn()``'s: an
-  ``scf.if`` whose branches build their own instructions (only the taken one runs)."""
-  branch = scf.IfOp(cond, [ir.IntegerType.get_signless(32)], has_else=True)
-  with ir.InsertionPoint(branch.then_block):
-    scf.yield_([then_fn()])
-  with ir.InsertionPoint(branch.else_block):
-    scf.yield_([else_fn()])
-  return branch.result
-
-
-def claim(scalar_ref, unit_smem, slot, dealt, queues=None):
+def claim(scalar_ref, unit_smem, slot, dealt):
   """One thread of the warpgroup writes the next unit to ``unit_smem[slot]``: ``dealt``
   where it is not negative, else the one it takes from the global counter (an atomic add
   on ``scalar_ref[L.S_NEXT]``); the warpgroup then waits for it (so that all of its
-  threads can read the slot).
+  threads can read the slot)."""
 
-  ``queues`` (``MosaicOptions.keyless_units="apart"``): (zero_first, n_keyless, n_keyed),
-  traced: units [0, n_keyless) are claimed from a second counter
-  (``L.S_NEXT_KEYLESS``) and unit n_keyless + c is the keyed counter's c-th claim (c <
-  n_keyed). A program takes from its own queue (the key-less one where ``zero_first``)
-  and, once that is empty, from the other; past both it gets a unit >= n_keyless +
-  n_keyed (the end)."""
-  arg_types = [plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT]
-  if queues is not None:
-    arg_types += [plgpu.Layout.WG_SPLAT] * 3
-
-  @plgpu.inline_mgpu(arg_types=tuple(arg_types))
-  def claim_or_take(_, counter, units, s, unit, *queue_args):
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                plgpu.Layout.WG_SPLAT))
+  def claim_or_take(_, counter, units, s, unit):
     index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
     unit = unit.registers[()]
-    lt = lambda a, b: arith.cmpi(arith.CmpIPredicate.slt, a, b)  # noqa: E731
-
-    def take(lane):
-      return memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1), counter,
-                               [arith.constant(index, lane)])
-
-    def claimed():
-      if not queue_args:
-        return take(L.S_NEXT)
-      zero_first, n_keyless, n_keyed = (a.registers[()] for a in queue_args)
-
-      def keyless_first():
-        z = take(L.S_NEXT_KEYLESS)
-        return _if_else(lt(z, n_keyless), lambda: z,
-                        lambda: arith.addi(n_keyless, take(L.S_NEXT)))
-
-      def keyed_first():
-        c = take(L.S_NEXT)
-        keyed = arith.addi(n_keyless, c)
-
-        def keyless():
-          z = take(L.S_NEXT_KEYLESS)
-          return arith.select(lt(z, n_keyless), z, keyed)  # keyed >= the end here
-
-        return _if_else(lt(c, n_keyed), lambda: keyed, keyless)
-
-      first = arith.cmpi(arith.CmpIPredicate.ne, zero_first, arith.constant(i32, 0))
-      return _if_else(first, keyless_first, keyed_first)
-
     with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
-      got = _if_else(lt(unit, arith.constant(i32, 0)), claimed, lambda: unit)
-      memref.store(got, units, [arith.index_cast(index, s.registers[()])])
+      take = arith.cmpi(arith.CmpIPredicate.slt, unit, arith.constant(i32, 0))
+      branch = scf.IfOp(take, [i32], has_else=True)
+      with ir.InsertionPoint(branch.then_block):
+        scf.yield_([memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1),
+                                      counter, [arith.constant(index, L.S_NEXT)])])
+      with ir.InsertionPoint(branch.else_block):
+        scf.yield_([unit])
+      memref.store(branch.result, units, [arith.index_cast(index, s.registers[()])])
     mgpu.utils.warpgroup_barrier()
 
-  extra = () if queues is None else tuple(jnp.asarray(x, jnp.int32) for x in queues)
   claim_or_take(scalar_ref, unit_smem, jnp.asarray(slot, jnp.int32),
-                jnp.asarray(dealt, jnp.int32), *extra)
+                jnp.asarray(dealt, jnp.int32))
 
 
 # ``store_zero_rows``' store: 16 bytes of zeros at a global address when a row index is
