@@ -105,8 +105,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       is not finite in float32), and, when the offsets are concrete, the data problems
       ``validate_offsets`` finds (and, for a concrete PagedKV, page ids out of range, a
       cache longer than its pages, or a V whose block table or cache lengths differ from
-      K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales that are not
-      finite and > 0). Under jit nothing checks these values; the kernel clamps every
+      K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales
+      that are not finite and > 0). Under jit nothing checks these values; the kernel clamps every
       index, so garbage offsets, page ids or cache lengths give garbage rows but never an
       access outside the arrays or NaN.
   """
