@@ -106,9 +106,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       ``validate_offsets`` finds (and, for a concrete PagedKV, page ids out of range, a
       cache longer than its pages, or a V whose block table or cache lengths differ from
       K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales
-      that are not finite and > 0). Under jit nothing checks these values; the kernel clamps every
-      index, so garbage offsets, page ids or cache lengths give garbage rows but never an
-      access outside the arrays or NaN.
+      that are not finite and > 0). Under jit nothing checks these values; the kernel
+      clamps every index, so garbage offsets, page ids or cache lengths give garbage rows
+      but never an access outside the arrays or NaN.
   """
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,

@@ -286,8 +286,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       segment ids with more sequences in a row than max_segments, concrete sink weights
       that are not finite or above 1e38 and concrete FP8 scales that are not finite
       and > 0; more than 65535 sequences in all (batch * (2 * max_segments + 1), a
-      launch grid's limit). Under jit nothing checks values: lengths and runs are clamped, so garbage
-      gives garbage rows but no access outside the arrays or NaN.
+      launch grid's limit). Under jit nothing checks values: lengths and runs are
+      clamped, so garbage gives garbage rows but no access outside the arrays or NaN.
     NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
   """
   batch, t, s, num_heads, num_kv_heads, head_dim = _check_arrays(query, key, value)
