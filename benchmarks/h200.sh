@@ -7,8 +7,9 @@
 # pytest call). H200_SPLIT=i/n runs only part i (0 to n - 1) of the GPU tests, every n-th
 # of their collected ids from the i-th on (so heavy parametrizations spread over the
 # parts): the whole suite takes more than one 10-minute device call, so run it as
-# H200_SPLIT=0/4 .. 3/4 in four. Wheels carried in .whl (tokamax and its dependencies,
-# BUILD_NOTES.md) are installed first.
+# H200_SPLIT=0/4 .. 3/4 in four (or 0/3 .. 2/3 with H200_JOBS=14). H200_JOBS sets the
+# number of test processes (8 by default; the machine has 16 cores). Wheels carried in
+# .whl (tokamax and its dependencies, BUILD_NOTES.md) are installed first.
 set -uo pipefail
 out=${OUT:-h200-out}
 part=${H200_PART:-all}
@@ -29,11 +30,11 @@ if [ "$part" != bench ]; then
     mapfile -t selected < <(awk -v i="$i" -v n="$n" '(NR - 1) % n == i' "$out/gpu-test-ids.txt")
     echo "part $H200_SPLIT: ${#selected[@]} of $(wc -l < "$out/gpu-test-ids.txt") GPU tests"
   fi
-  # Eight test processes share the GPU: each frees what it no longer uses (the platform
-  # allocator), so that one's cached blocks do not run another out of memory.
+  # The test processes (eight by default) share the GPU: each frees what it no longer uses
+  # (the platform allocator), so that one's cached blocks do not run another out of memory.
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_ALLOCATOR=platform python3 -m pytest -q -m gpu "${selected[@]}" \
-    -p no:cacheprovider -p no:benchmark -n 8 ${H200_TEST_ARGS:-} 2>&1 \
+    -p no:cacheprovider -p no:benchmark -n "${H200_JOBS:-8}" ${H200_TEST_ARGS:-} 2>&1 \
     | tee "$out/gpu-tests.log" | tail -25
 fi
 if [ "$part" != tests ]; then
