@@ -99,9 +99,11 @@ class MosaicOptions:
       item has a KV tile (issue 23, thirty-seventh and forty-first sessions). "spans":
       "stores" with each job a contiguous span of the item's rows across all heads
       (``kernel.zero_span``: 16 KB a warpgroup in one piece) instead of one head's rows
-      (256-byte pieces a row's heads apart); an experiment (forty-second session).
-      "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks "stores" for
-      ``dot_product_attention`` (``default_mosaic_config``'s ``padded``).
+      (256-byte pieces a row's heads apart): on the H100 1.020x-1.033x "stores" on
+      padded MHA short64, 0.96x-1.00x on skew16_16k (forty-fifth and forty-sixth
+      sessions). "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks
+      "spans" for ``dot_product_attention`` up to ``COLUMN_MASK_MAX_PROMPT`` and "stores"
+      above (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,
       wherever the sequence sits in the packed arrays, so that a sequence's output and LSE
       are bitwise the same whatever its neighbours (the online softmax then sums the
@@ -389,10 +391,13 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   (``MosaicOptions.keyless_units="stores"``): with two compute warpgroups, on the H100
   1.079x "first" on padded MHA skew16_16k, 1.039x on short64, 1.026x on equal4x4096 (no
   padding row), on the H200 1.031x and 1.007x; with three, on the H100 1.097x, 1.233x
-  and 1.022x. FP8 keeps "first" (on the H100 "stores" 1.073x on skew16_16k but 0.976x
-  on short64 and 0.973x on equal4x4096). (BUILD_NOTES.md, thirty-seventh, fortieth and
-  forty-first sessions.) The packed entry points keep "first": their calls rarely have
-  key-less items, and "stores" costs them 1-3 %."""
+  and 1.022x. Up to ``COLUMN_MASK_MAX_PROMPT`` the jobs are contiguous spans of an item's
+  rows across heads (``keyless_units="spans"``): on the H100 1.020x-1.033x "stores" on
+  padded MHA short64 in three runs, but 0.96x-1.00x on skew16_16k, so short prompts
+  only. FP8 keeps "first" (on the H100 "stores" 1.073x on skew16_16k but 0.976x on
+  short64 and 0.973x on equal4x4096). (BUILD_NOTES.md, thirty-seventh, fortieth,
+  forty-first and forty-sixth sessions.) The packed entry points keep "first": their
+  calls rarely have key-less items, and "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
     # Two warpgroups and three give a row the same bits only with the sums first in both.
@@ -408,8 +413,10 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, column_mask=True, column_lo_static=True, narrow_last_tile=narrow))
   if padded and not is_fp8(dtype):  # (FP8's zero jobs measured mixed)
+    # zero jobs; for short prompts as contiguous spans of an item's rows across heads
+    units = "spans" if max_prompt_len <= COLUMN_MASK_MAX_PROMPT else "stores"
     config = dataclasses.replace(config, options=dataclasses.replace(
-        config.options, keyless_units="stores"))
+        config.options, keyless_units=units))
   return config
 
 

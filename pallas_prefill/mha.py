@@ -56,8 +56,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       for an FP8 q. What runs where: on Hopper ``auto`` runs an e4m3 q, k and v on
       Mosaic GPU as FP8 matrix products, FP8 pages included (pages of 64 rows or more
       read in place, V transposed by a small kernel before it; smaller ones gathered
-      into contiguous K/V first); e5m2 and a bf16/f16 q over FP8 k/v on the Triton
-      kernel, which widens the FP8 tiles to 16 bits (and uses such a q as given).
+      into contiguous K/V first); e5m2, an FP8 q of the other format than k and v's
+      (which share one), and a bf16/f16 q over FP8 k/v on the Triton kernel, which
+      widens the FP8 tiles to 16 bits (and uses such a q as given).
       ``backend="mosaic_gpu"`` also serves a bf16/f16 q, which the call then
       quantizes to e4m3 per (sequence, K/V head): divided by the largest finite |q| over
       the sequence's rows and the K/V head's query heads over 448 (1 where that is 0), a
@@ -90,7 +91,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
   zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output
-  rows past ``input_row_offsets[-1]`` are zeros.
+  rows past ``input_row_offsets[-1]`` belong to no sequence: zeros, with LSE -1e30 (with
+  sinks too).
 
   Returns:
     out [total_q, num_heads, head_dim_v] in output_dtype, or (out, lse) with lse
@@ -108,7 +110,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales
       that are not finite and > 0). Under jit nothing checks these values; the kernel
       clamps every index, so garbage offsets, page ids or cache lengths give garbage rows
-      but never an access outside the arrays or NaN.
+      but never an access outside the arrays, nor NaN where the arrays (every page
+      included) hold none: garbage ranges may reach rows past the last key, which valid
+      calls never read.
   """
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,

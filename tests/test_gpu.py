@@ -539,10 +539,10 @@ def test_padded_keyless_units_per_head(case, skip_q):
                          ids=lambda c: c.name)
 def test_padded_keyless_stores(case, units):
   """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
-  zeros as jobs of the keyed units, by plain stores, their LSE from the wrapper (the
-  default's choice, on its tiles without its register and mask options; "spans": each
-  job a contiguous run of an item's rows across heads). The results stay exact and every
-  padding row zero."""
+  zeros as jobs of the keyed units, by plain stores, their LSE from the wrapper ("spans":
+  each job a contiguous run of an item's rows across heads; the default's choices, for
+  long and short prompts, on its tiles without its register and mask options). The
+  results stay exact and every padding row zero."""
   config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units=units))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)

@@ -391,14 +391,16 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
   assert all("st.global.cs" in t for t in texts[-2:]) and "st.global.cs" not in texts[0]
 
 
-@pytest.mark.parametrize("max_len", [512, 9000])  # two compute warpgroups, three
+# short prompts (two compute warpgroups), long, longest (three)
+@pytest.mark.parametrize("max_len", [512, 2048, 9000])
 def test_padded_default_stores_zero_jobs(max_len):
   """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
   to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
-  ``keyless_units="stores"``, plain ``st.global.cs`` stores), with two compute
-  warpgroups and three (max_len 9000) and with the LSE, except in FP8 (whose zero jobs
-  measured mixed); the packed entry point's default and the padded call's with a
-  ``MosaicConfig()`` given keep the key-less units ("first")."""
+  ``keyless_units="spans"`` up to ``COLUMN_MASK_MAX_PROMPT``, "stores" above, plain
+  ``st.global.cs`` stores), with two compute warpgroups and three (max_len 9000) and
+  with the LSE, except in FP8 (whose zero jobs measured mixed); the packed entry
+  point's default and the padded call's with a ``MosaicConfig()`` given keep the
+  key-less units ("first")."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s = jax.ShapeDtypeStruct
@@ -426,7 +428,8 @@ def test_padded_default_stores_zero_jobs(max_len):
     config = config_lib.default_mosaic_config(128, 128, dtype, masks.CausalMask(), max_len,
                                               padded=True)
     assert config.compute_wgs == (2 if max_len <= config_lib.THREE_WGS_MIN_PROMPT else 3)
-    assert config.options.keyless_units == "stores"
+    assert config.options.keyless_units == (
+        "spans" if max_len <= config_lib.COLUMN_MASK_MAX_PROMPT else "stores")
   fp8 = config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
                                          max_len, padded=True)
   assert fp8.options.keyless_units == "first"

@@ -1,10 +1,10 @@
 """README.md's Python examples run as written, in the order a reader meets them.
 
-Each example runs after the first one (the MHA example, whose batch the later ones reuse),
-on the CPU in interpret mode; its ``out`` must be finite, with the shape its last
-``# (rows, heads, depth)`` comment gives where it gives one. The signature blocks (no
-``pp.`` call) are not examples. The sharding example takes two of the four host devices
-that tests/conftest.py makes.
+The examples run one after another in one namespace (the later ones reuse the first
+one's batch, as a reader pasting them in turn would), on the CPU in interpret mode; each
+one's ``out`` must be finite, with the shape its last ``# (rows, heads, depth)`` comment
+gives where it gives one. The signature blocks (no ``pp.`` call) are not examples. The
+sharding example takes two of the four host devices that tests/conftest.py makes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pathlib
 import re
 
 import numpy as np
-import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -32,16 +31,14 @@ def test_readme_has_its_examples():
   assert len(examples()) >= 5
 
 
-@pytest.mark.parametrize("index", range(len(examples())))
-def test_readme_example_runs(index):
-  blocks = examples()
+def test_readme_examples_run_in_order():
   namespace: dict = {}
-  run(blocks[0], 0, namespace)
-  if index:
-    namespace.pop("out")
-    run(blocks[index], index, namespace)
-  out = np.asarray(namespace["out"], np.float32)
-  assert np.isfinite(out).all()
-  shapes = re.findall(r"# \((\d+(?:, \d+)*)\)", blocks[index])
-  if shapes:
-    assert out.shape == tuple(int(x) for x in shapes[-1].split(", "))
+  for index, block in enumerate(examples()):
+    namespace.pop("out", None)
+    run(block, index, namespace)
+    out = np.asarray(namespace["out"], np.float32)
+    assert np.isfinite(out).all(), f"example {index}: out is not finite"
+    shapes = re.findall(r"# \((\d+(?:, \d+)*)\)", block)
+    if shapes:
+      expected = tuple(int(x) for x in shapes[-1].split(", "))
+      assert out.shape == expected, f"example {index}: out {out.shape}, not {expected}"
