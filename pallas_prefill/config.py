@@ -111,14 +111,6 @@ class MosaicOptions:
       8 rows, the last one shifted back to end in the 8-row group of the last key (the
       kernel before issue 25). FP8 keeps aligned tiles (its V^T tiles start at multiples
       of 16 keys, TMA's alignment) and so is not batch invariant.
-    poly_exp2: of every 8 of a compute thread's score registers (2 scores each), how many
-      (0 to 8) take the softmax's exp2 as a polynomial on the FMA pipes
-      (``primitives.exp2_fma``, relative error 1.0e-4) instead of ``ex2.approx`` on the
-      MUFU unit, which a soft cap's tanh shares (FlashAttention-4's trick). Where the
-      scale is folded (the default bf16 path) and in FP8; 0 (the default) keeps every
-      exp2 on the MUFU. Measured on the H200 (BUILD_NOTES.md, nineteenth session): a
-      loss at every fraction, growing with it (MHA equal4x4096 0.99x at 2, 0.89x at 4,
-      0.83x at 6; with a soft cap 0.98x, 0.96x, 0.93x; FP8 0.96x, 0.87x, 0.79x).
     fp8_vt_kernel: FP8's V^T (P.V reads V K-major) made by one small Triton-lowered
       Pallas kernel (``operands.transposed_v``: V read once, the rows outside every
       sequence zeroed, written transposed) where V's depth is a power of two; False:
@@ -150,17 +142,6 @@ class MosaicOptions:
       per KV tile: 1.085x the FP8 call on the H200 (MHA equal4x4096, skew16_16k,
       short64; MLA 1.085x-1.087x; BUILD_NOTES.md, twenty-third session). False: P
       through shared memory.
-    fp8_vt_in_kernel: FP8's V^T made in the kernel: the producer warpgroup brings V
-      tiles by TMA as they are and transposes each in shared memory
-      (``primitives.transpose_v_tile``: FlashAttention-3's byte permutes), zeroing the
-      keys that are not the sequence's, so that no pass over HBM writes V^T first
-      (``operands.transposed_v``, ``transposed_v_pages``), packed or paged, and the
-      paged call allocates no V^T of the block table's capacity (1.14 GB for MLA's 128
-      heads over 8 sequences of up to 8,704 keys). K/V tiles of 128 or 256 keys; others
-      make V^T first as before. Off by default: on the H200 0.82x (MHA equal4x4096),
-      0.83x (MHA chunked8x512_page64), 0.87x (MLA equal4x4096) and 0.99x (MLA
-      chunked8x512_page64) the V^T pass's call (BUILD_NOTES.md, twenty-seventh session:
-      the transpose's instructions share the compute warpgroups' issue slots).
     row_sum_first: bf16/float16 P's row sums taken before its conversion to the input
       dtype (each float32 of P then dies as it is converted), not after: fewer live
       registers where P meets the accumulators, for three compute warpgroups' 160.
@@ -206,13 +187,11 @@ class MosaicOptions:
   skip_keyless_q: bool = True
   keyless_units: str = "first"
   batch_invariant: bool = True
-  poly_exp2: int = 0
   fp8_vt_kernel: bool = True
   soft_cap_fixed_max: bool = True
   soft_cap_scaled_q: bool = True
   fp8_p_registers: bool = True
   fp8_native_pages: bool = True
-  fp8_vt_in_kernel: bool = False
   row_sum_first: bool = False
   q_per_tile: bool = False
   column_mask: bool = False
@@ -223,7 +202,7 @@ class MosaicOptions:
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
-                 "fp8_vt_in_kernel", "row_sum_first", "q_per_tile", "column_mask",
+                 "row_sum_first", "q_per_tile", "column_mask",
                  "column_lo_static", "narrow_last_tile"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
@@ -234,10 +213,6 @@ class MosaicOptions:
     if self.keyless_units not in KEYLESS_UNITS:
       raise ValueError(f"MosaicOptions.keyless_units must be one of {KEYLESS_UNITS}, got "
                        f"{self.keyless_units!r}")
-    if (isinstance(self.poly_exp2, bool) or not isinstance(self.poly_exp2, int)
-        or not 0 <= self.poly_exp2 <= 8):
-      raise ValueError(f"MosaicOptions.poly_exp2 must be an int in [0, 8], got "
-                       f"{self.poly_exp2!r}")
 
 
 # FP8's widest K/V tile (``MosaicConfig.block_kv``): FP8 matrix products take twice bf16's

@@ -787,53 +787,6 @@ def test_ncu_source_summary_reads_a_source_page(tmp_path, capsys):
   assert len(out) == 4
 
 
-def test_poly_exp2_experiment_arms_in_turns(tmp_path, monkeypatch, capsys):
-  """benchmarks.experiments.poly_exp2 with stand-in systems (the Mosaic GPU kernel needs a
-  Hopper GPU): an arm per system and eighths, each prepared with that ``poly_exp2``,
-  checked once against its own reference, timed in turns every round; the table's ratios
-  are to eighths 0 of the same system and, for the soft cap, to the uncapped default."""
-  from benchmarks.experiments import poly_exp2
-
-  asked, timed = [], []
-  secs = {("pallas_prefill_mosaic", 0): 1.0, ("pallas_prefill_mosaic", 4): 1.25,
-          ("pallas_prefill_softcap", 0): 1.2, ("pallas_prefill_softcap", 4): 1.1,
-          ("pallas_prefill_fp8", 0): 0.8, ("pallas_prefill_fp8", 4): 1.0}
-
-  def fake_prepare(name, problems, mosaic_options):
-    key = (name, mosaic_options["poly_exp2"])
-    asked.append(key)
-    out = jnp.ones((3,), jnp.float32)
-    ref = (lambda: out * 1.01) if name == "pallas_prefill_fp8" else None
-    return sy.Prepared(lambda *a: out, [key], lambda o: o, reference=ref)
-
-  def fake_bench(fn, arg_sets):
-    timed.append(arg_sets[0])
-    return secs[arg_sets[0]]
-
-  monkeypatch.setattr(sy, "prepare", fake_prepare)
-  monkeypatch.setattr(sy, "reference", lambda p: jnp.ones((3,)))
-  monkeypatch.setattr(poly_exp2.run, "bench_jax", fake_bench)
-  rows = poly_exp2.main([
-      "--workloads", "tiny", "--eighths", "0", "4", "--systems", "pallas_prefill_mosaic",
-      "pallas_prefill_softcap", "pallas_prefill_fp8", "--rounds", "2", "--rest", "0",
-      "--out", str(tmp_path)])
-  assert asked == list(secs)
-  assert timed == list(secs) * 2  # in turns, every round
-  by = {(r["system"], r["eighths"]): r for r in rows}
-  mosaic = by["pallas_prefill_mosaic", 4]["tflops"]
-  assert mosaic == pytest.approx(by["pallas_prefill_mosaic", 0]["tflops"] / 1.25)
-  assert by["pallas_prefill_fp8", 0]["err"] == pytest.approx(0.01 / 1.01, rel=1e-4)
-  assert by["pallas_prefill_mosaic", 0]["err"] == 0
-  table = capsys.readouterr().out
-  assert "| pallas_prefill_softcap | 0 |" in table and "1.200x the time" in table
-  assert "| pallas_prefill_softcap | 4 |" in table and "1.100x the time" in table
-  assert "1.091x" in table  # the capped arm at 4 eighths against 0: 1.2 / 1.1
-  saved = json.loads((tmp_path / "poly_exp2.json").read_text())
-  assert len(saved["rows"]) == 6
-  with pytest.raises(SystemExit):
-    poly_exp2.main(["--eighths", "2", "4"])
-
-
 def test_arms_experiment_times_arms_in_turns(tmp_path, monkeypatch, capsys):
   """benchmarks.experiments.arms with stand-in systems: each (system, arm) prepared with
   the arm's options, checked once, timed in turns every round; the table's ratios are to

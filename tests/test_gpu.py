@@ -669,41 +669,6 @@ def test_mosaic_register_options(case, wgs):
   check_fitting_tiles(case, compute_wgs=wgs, options=options)
 
 
-def _poly(case, eighths):
-  return dataclasses.replace(case, config=pp.MosaicConfig(
-      options=pp.MosaicOptions(poly_exp2=eighths)))
-
-
-@pytest.mark.parametrize("case", [
-    _poly(c, 4) for c in MOSAIC_CASES if cases.mosaic_serves(c) and c.soft_cap is not None] + [
-    _poly(cases.mosaic_variant(_LARGE), 4),
-    _poly(dataclasses.replace(_LARGE, lse=True, sink=True, soft_cap=30.0), 8),
-    _poly(dataclasses.replace(_LARGE, mask=masks.SlidingWindowCausalMask(512), soft_cap=5.0), 3),
-    _poly(dataclasses.replace(_LARGE, kv_lens=(5, 0, 999, 100, 77, 13, 0), lse=True,
-                              mask=masks.NullMask()), 8),
-    _poly(dataclasses.replace(_DEEPSEEK, soft_cap=50.0, lse=True), 4),
-    _poly(dataclasses.replace(_LARGE, page_size=64, kv_lens=(5, 1, 3000, 2048, 900, 513, 8000),
-                              soft_cap=30.0), 4),
-], ids=lambda c: c.name)
-def test_mosaic_poly_exp2(case):
-  """``MosaicOptions.poly_exp2`` (issues 23 and 25's experiment, off by default): part of
-  the exp2s as a polynomial on the FMA pipes; rows that see no key still come out zero
-  (the polynomial gives exactly 0 for a masked score), and the results stay within the
-  tolerance."""
-  cases.check_case(case, interpret=False, poison=poison_device_memory, backend="mosaic_gpu")
-
-
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_mosaic_poly_exp2_fp8(kind):
-  """FP8 (e4m3 Q, K, V on Mosaic GPU) with ``poly_exp2``: against the reference of the
-  dequantized inputs."""
-  from tests import test_fp8  # pylint: disable=g-import-not-at-top
-  case = test_fp8.Fp8Case() if kind == "mha" else test_fp8._MLA  # pylint: disable=protected-access
-  assert case.kind == kind and case.dtype == "float8_e4m3fn", case
-  test_fp8.check_fp8_case(case, interpret=False, poison=poison_device_memory,
-                          config=pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4)))
-
-
 @pytest.mark.parametrize("cap,sign,dtype,sink,options", [
     (30.0, -1, "bfloat16", False, {}),  # every score near -cap: exp2 near 2**-86.6
     (50.0, -1, "bfloat16", False, {}),  # Gemma 2's cap: exp2 at the floor, 2**-120

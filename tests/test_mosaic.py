@@ -1007,8 +1007,7 @@ def test_split_units_need_dynamic_scheduling():
 @pytest.mark.parametrize("options,match", [
     (dict(dynamic=1), "dynamic"), (dict(head_major=2), "head_major"),
     (dict(deal=True), "deal"), (dict(fold_scale=None), "fold_scale"),
-    (dict(poly_exp2=9), "poly_exp2"), (dict(poly_exp2=True), "poly_exp2"),
-    (dict(poly_exp2=2.0), "poly_exp2"), (dict(keyless_units="last"), "keyless_units"),
+    (dict(keyless_units="last"), "keyless_units"),
     (dict(keyless_units=True), "keyless_units"), (dict(keyless_units=None), "keyless_units"),
     (dict(row_sum_first=1), "row_sum_first"), (dict(q_per_tile="yes"), "q_per_tile"),
     (dict(column_mask=None), "column_mask"), (dict(column_lo_static=1), "column_lo_static")])
@@ -1087,10 +1086,6 @@ class Lowered:
     compare two kernels compare, the same on every jax version."""
     from tests import lowered  # pylint: disable=g-import-not-at-top
     return "\n".join(lowered.kernel_texts(self.lower().compiler_ir()))
-
-
-def POLY(eighths):  # noqa: N802 (reads as a config constant in the table below)
-  return pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=eighths))
 
 
 def REGISTERS(wgs):  # noqa: N802 (reads as a config constant in the table below)
@@ -1177,11 +1172,6 @@ LOWERED = [
             config=pp.MosaicConfig(block_kv=64, num_stages=3)),
     Lowered(dtype="float8_e4m3fn", kind="mla", heads=16, kv_heads=16, lse=True,
             scale_shape=(16,)),
-    # MosaicOptions.poly_exp2 (issues 23 and 25): part of the exp2s on the FMA pipes
-    Lowered(soft_cap=30.0, lse=True, config=POLY(4)),
-    Lowered(kind="mla", heads=16, kv_heads=16, config=POLY(8)),
-    Lowered(mask=masks.SlidingWindowCausalMask(128), sink=True, config=POLY(3)),
-    Lowered(dtype="float8_e4m3fn", config=POLY(4)),
     # MosaicOptions' register options (issue 25): every mask (NullMask's key ranges are
     # scalars, no row iota), two and three compute warpgroups, MLA with K/V offsets
     *[Lowered(mask=m, config=REGISTERS(wgs)) for m in (
@@ -1200,35 +1190,6 @@ LOWERED = [
             config=LO_STATIC(2, block_kv=64, num_stages=3)),
     Lowered(dtype="float16", lse=True, sink=True, config=LO_STATIC(2)),
 ]
-
-
-def test_poly_exp2_error_and_zeros():
-  """The polynomial exp2 of ``MosaicOptions.poly_exp2``, step for step as its PTX runs
-  (``primitives.poly_exp2_model``): relative error under 1.1e-4 wherever exp2 is normal,
-  exactly 0 for masked scores (-inf) and anything at or below -127 (so a row that sees no
-  key keeps a zero sum), exactly 1 at 0, never negative or NaN; the PTX carries the
-  model's constants."""
-  rng = np.random.default_rng(cases.fresh_seed())
-  x = np.concatenate([rng.uniform(-130.0, 0.5, 200_000), -rng.exponential(4.0, 100_000),
-                      np.arange(-130, 1)]).astype(np.float32)
-  y = primitives.poly_exp2_model(x)
-  ref = np.exp2(x.astype(np.float64))
-  normal = x > -125
-  rel = np.abs(y[normal] - ref[normal]) / ref[normal]
-  assert rel.max() < 1.1e-4, rel.max()
-  assert (y >= 0).all() and np.isfinite(y).all()
-  special = np.array([-np.inf, -1e30, -200.0, -127.0, 0.0], np.float32)
-  np.testing.assert_array_equal(primitives.poly_exp2_model(special), [0, 0, 0, 0, 1])
-  ptx = primitives._POLY_EXP2_PTX  # pylint: disable=protected-access
-  for c in (*primitives.POLY_EXP2_COEFFS, primitives.POLY_EXP2_CLAMP):
-    assert f"0f{int(np.float32(c).view(np.uint32)):08X}" in ptx, c
-
-
-def test_poly_exp2_reaches_the_kernel_only_when_asked():
-  """The polynomial's PTX is in the lowered kernel with ``poly_exp2`` and absent without."""
-  marker = "sub.rn.f32 f, x, j"
-  assert marker in Lowered(soft_cap=30.0, config=POLY(4)).lower().as_text()
-  assert marker not in Lowered(soft_cap=30.0).lower().as_text()
 
 
 def test_soft_cap_reaches_the_default_config():
@@ -1386,21 +1347,21 @@ def test_column_lo_static_drops_the_lower_compare(mask, dropped):
 
 def test_narrow_last_tile_changes_the_kernel_where_it_serves():
   """``MosaicOptions.narrow_last_tile`` changes the lowered kernel where
-  ``KernelSpec.narrow_tiles`` holds (bf16 and float16 on 128-key tiles, with
-  ``poly_exp2`` too) and nothing for FP8, 64-key tiles and split units."""
+  ``KernelSpec.narrow_tiles`` holds (bf16 and float16 on 128-key tiles, with the soft
+  cap too) and nothing for FP8, 64-key tiles and split units."""
   def narrow(c):
     return dataclasses.replace(c, options=dataclasses.replace(c.options,
                                                               narrow_last_tile=True))
-  def text(config, dtype="bfloat16"):
-    return Lowered(dtype=dtype, config=config).kernels()
-  poly = pp.MosaicConfig(options=pp.MosaicOptions(poly_exp2=4))
+  def text(config, dtype="bfloat16", soft_cap=None):
+    return Lowered(dtype=dtype, config=config, soft_cap=soft_cap).kernels()
   fp8 = pp.MosaicConfig(block_kv=128, num_stages=2, compute_wgs=3)
-  for config, dtype, changed in (
-      (pp.MosaicConfig(), "bfloat16", True), (pp.MosaicConfig(), "float16", True),
-      (poly, "bfloat16", True), (fp8, "float8_e4m3fn", False),
-      (pp.MosaicConfig(block_kv=64, num_stages=3), "bfloat16", False),
-      (pp.MosaicConfig(block_q=64, block_kv=64, split_units=True), "bfloat16", False)):
-    assert (text(narrow(config), dtype) != text(config, dtype)) == changed, (config, dtype)
+  for config, dtype, cap, changed in (
+      (pp.MosaicConfig(), "bfloat16", None, True), (pp.MosaicConfig(), "float16", None, True),
+      (pp.MosaicConfig(), "bfloat16", 30.0, True), (fp8, "float8_e4m3fn", None, False),
+      (pp.MosaicConfig(block_kv=64, num_stages=3), "bfloat16", None, False),
+      (pp.MosaicConfig(block_q=64, block_kv=64, split_units=True), "bfloat16", None, False)):
+    assert (text(narrow(config), dtype, cap) != text(config, dtype, cap)) == changed, (
+        config, dtype, cap)
 
 
 def test_narrow_last_holds_where_a_half_tile_is_enough():
@@ -1491,7 +1452,6 @@ def _paged_lowering(page_size, dtype=jnp.bfloat16, config=None):
 
 ALIGNED = pp.MosaicConfig(options=pp.MosaicOptions(batch_invariant=False))
 THREE_WGS = pp.MosaicConfig(compute_wgs=3)
-VT_IN_KERNEL = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
 
 
 @pytest.mark.parametrize("name,lower", [
@@ -1507,24 +1467,16 @@ VT_IN_KERNEL = pp.MosaicConfig(options=pp.MosaicOptions(fp8_vt_in_kernel=True))
     ("pages of 16, gathered", _paged_lowering(16)),
     ("fp8 pages of 64", _paged_lowering(64, jnp.float8_e4m3fn)),
     ("fp8 pages of 256", _paged_lowering(256, jnp.float8_e4m3fn)),
-    ("fp8 V^T in kernel", Lowered(dtype="float8_e4m3fn", config=VT_IN_KERNEL).lower),
-    ("fp8 pages of 64, V^T in kernel", _paged_lowering(64, jnp.float8_e4m3fn, VT_IN_KERNEL)),
-    ("fp8 pages of 64, 256-key tiles, V^T in kernel", _paged_lowering(
-        64, jnp.float8_e4m3fn, dataclasses.replace(VT_IN_KERNEL, block_kv=256))),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
   """On every path of ``kernel.load_kv_tile`` (V from the arrays or from ``v_tail``, the
   aligned tiles' head tile and tail group, a paged sequence's last tile and the others;
-  FP8's V tiles for the producer's transpose), the copies (and arrivals) that signal
-  ``k_loaded``, ``v_loaded`` and ``v_raw_loaded`` are as many as the barriers that
-  ``kernel.scratch_for`` allocates expect."""
+  FP8's V^T), the copies that signal ``k_loaded`` and ``v_loaded`` are as many as the
+  barriers that ``kernel.scratch_for`` allocates expect."""
   spec = _kernel_spec(lower, monkeypatch)
-  assert spec.vt_in_kernel == ("in kernel" in name), spec
   scratch = mosaic_kernel.scratch_for(spec)
   expected = dict(k_loaded=scratch.k_loaded.num_arrivals,
                   v_loaded=scratch.v_loaded.num_arrivals)
-  if spec.vt_in_kernel:
-    expected["v_raw_loaded"] = scratch.v_raw_loaded.num_arrivals
   counts = {}
 
   def copy(src, dst, barrier, **kwargs):
@@ -1538,8 +1490,6 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
   monkeypatch.setattr(mosaic_kernel.plgpu, "barrier_arrive",
                       lambda barrier: copy(None, None, barrier))
   monkeypatch.setattr(mosaic_kernel.plgpu, "barrier_wait", lambda barrier: None)
-  monkeypatch.setattr(mosaic_kernel.plgpu, "commit_smem", lambda: None)
-  monkeypatch.setattr(mosaic_kernel.primitives, "transpose_v_tile", lambda *a, **k: None)
   monkeypatch.setattr(mosaic_kernel.pl, "when", when)
   refs = mosaic_kernel.Refs(
       meta=None, scalars=None, sink=None, q=[], k=[_View()] * spec.n_k, v=_View(),
@@ -1547,8 +1497,7 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
       table=jnp.arange(48, dtype=jnp.int32).reshape(4, 12))
   fake = type("FakeScratch", (), dict(
       k=[(_View(), None)] * len(spec.chunks), v=[(_View(), None)] * (spec.v_depth // 64),
-      k_loaded=_View("k_loaded"), v_loaded=_View("v_loaded"),
-      v_raw=[_View()] * (spec.v_depth // 64), v_raw_loaded=_View("v_raw_loaded")))
+      k_loaded=_View("k_loaded"), v_loaded=_View("v_loaded")))
   bkv, i32 = spec.block_kv, jnp.int32
   kv_tail = 1000
   if spec.page_size is not None:  # (i, start): a middle tile and the sequence's last
@@ -1566,8 +1515,6 @@ def test_kv_barriers_count_every_loaders_copies(name, lower, monkeypatch):
     mosaic_kernel.load_kv_tile(spec, refs, fake, 0, i32(args["start"]), i32(0),
                                i32(args["i"]), args["paged"], i32(args["tail8"]),
                                i32(kv_tail))
-    if spec.vt_in_kernel:  # the producer's transpose signals v_loaded
-      mosaic_kernel.transpose_vt_tile(spec, fake, 0, i32(args["start"]), (i32(0), i32(kv_tail)))
     assert counts == expected, (name, path)
 
 

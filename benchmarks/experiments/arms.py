@@ -39,7 +39,7 @@ PACKED, PADDED = "pallas_prefill_mosaic", "pallas_prefill_padded"
 def run_workload(kind, workload, arms, args):
   """The workload's (system, arm) pairs (``args.systems``, ``arms``: {name: options}),
   checked, then timed in turns over ``args.rounds`` after ``args.rest`` seconds each; a
-  row each, in that order. ``benchmarks.experiments.poly_exp2`` shares it."""
+  row each, in that order."""
   problems = [sy.make_problem(kind, workload, seed) for seed in range(3)]
   flops = sy.useful_flops(problems[0])
   rows, held = [], []

@@ -25,8 +25,7 @@ from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu.kernel import KernelSpec, attention_kernel, fixed_maximum
 from pallas_prefill.mosaic_gpu.layout import CHUNK
 from pallas_prefill.mosaic_gpu import operands as prepare  # (not `operands`: the module)
-from pallas_prefill.mosaic_gpu.smem import (fitted, output_buffers, smem_bytes, splits,
-                                             vt_made_in_kernel)
+from pallas_prefill.mosaic_gpu.smem import fitted, output_buffers, smem_bytes, splits
 from pallas_prefill.mosaic_gpu.work_list import paged_kv_lengths
 
 __all__ = ["CHUNK", "fitted", "paged_config", "ragged_attention_mgpu", "unsupported_reason"]
@@ -122,8 +121,8 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
   (``operands.gathered_pages``). Split units need
   dynamic scheduling (``smem.splits``): without it, the units are shared. FP8
   (``scales``: the logits' and V's dequantization factors, each [batch, num_kv_heads]
-  float32): V goes to the kernel transposed (``fp8_operands``), or as it is where the
-  kernel transposes its tiles (``smem.vt_made_in_kernel``), and the factors as they are;
+  float32): V goes to the kernel transposed (``fp8_operands``), and the factors as they
+  are;
   a bf16/f16 Q over FP8 K/V is quantized to e4m3 first, its scale per (sequence, K/V
   head) multiplied into the logits' factor (``quantized_q``)."""
   total_q, num_heads, _ = q_ops[0].shape
@@ -150,10 +149,7 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
     scales = (scales[0] * q_scale, scales[1])
   rows = config.compute_wgs * config.block_q
   extra = None
-  vt_in_kernel = fp8 and vt_made_in_kernel(config, v_depth)
-  if vt_in_kernel:  # V as it is: the kernel transposes its tiles
-    extra = (v, *scales)
-  elif fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages
+  if fp8 and page_size is not None:  # V^T of the sequences' keys, from the pages
     kv_len = paged_kv_lengths(q_offsets, total_q, *paged_cache)
     extra = (prepare.transposed_v_pages(v, block_table, kv_len, block_kv=config.block_kv,
                                         p_order=config.options.fp8_p_registers), *scales)
@@ -181,14 +177,13 @@ def ragged_attention_mgpu(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, 
       dynamic=config.options.dynamic, split=config.split_units,
       fold_scale=config.options.fold_scale, skip_keyless_q=config.options.skip_keyless_q,
       keyless_units=keyless_units(config),
-      poly_exp2=config.options.poly_exp2,
       # (bf16 only: P in float16 would flush the small probabilities of a row whose
       # scores all lie far below the fixed maximum, and Q times scale / cap its small
       # values)
       fixed_max=fixed_maximum(soft_cap * LOG2_E) if (
           capped_bf16 and config.options.soft_cap_fixed_max) else None,
       scaled_q=capped_bf16 and config.options.soft_cap_scaled_q,
-      p_registers=fp8 and config.options.fp8_p_registers, vt_in_kernel=vt_in_kernel,
+      p_registers=fp8 and config.options.fp8_p_registers,
       kv_unit=L.kv_unit(prepare.kv_align(config, is_fp8(v.dtype))), wgs=config.compute_wgs,
       row_sum_first=config.options.row_sum_first, q_per_tile=config.options.q_per_tile,
       column_mask=config.options.column_mask,

@@ -139,15 +139,12 @@ class KernelSpec:
   (``scaled_scores``); top_left: queries from position 0 (else kv_len - q_len);
   skip_keyless_q, keyless_units: ``MosaicOptions``'; kv_unit: the unit of the work list's
   KV tile rows, ``layout.kv_unit``: 1 where tiles start at the sequence's first key
-  (batch invariant), 8 where at a multiple of 8 or 16; poly_exp2:
-  ``MosaicOptions.poly_exp2``; fixed_max: None, or the soft-capped scores' fixed maximum
+  (batch invariant), 8 where at a multiple of 8 or 16; fixed_max: None, or the soft-capped scores' fixed maximum
   (``fixed_maximum``, ``MosaicOptions.soft_cap_fixed_max``): no running maximum, no
   rescale; scaled_q: soft-capped, each unit's Q times scale / cap in shared memory
   (``scale_q``, ``MosaicOptions.soft_cap_scaled_q``), the scores then tanh's argument;
   p_registers: FP8's P.V takes P from registers (``primitives.fp8_a_operand``, V^T's keys
-  in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; vt_in_kernel:
-  FP8's V comes as it is (packed, or pages), its tiles transposed by the producer
-  warpgroup (``smem.vt_made_in_kernel``, ``transpose_vt_tile``); wgs: the compute
+  in its order; ``MosaicOptions.fp8_p_registers``), not from shared memory; wgs: the compute
   warpgroups (``MosaicConfig.compute_wgs``), each with block_q rows of a unit's item;
   row_sum_first, q_per_tile, column_mask: ``MosaicOptions``' (registers for three
   warpgroups); column_lo_static: ``MosaicOptions``' (``column_lo_dropped``);
@@ -179,11 +176,9 @@ class KernelSpec:
   skip_keyless_q: bool = True
   keyless_units: str = "per_head"
   kv_unit: int = 8
-  poly_exp2: int = 0
   fixed_max: float | None = None
   scaled_q: bool = False
   p_registers: bool = False
-  vt_in_kernel: bool = False
   wgs: int = L.COMPUTE_WGS
   row_sum_first: bool = False
   q_per_tile: bool = False
@@ -252,7 +247,7 @@ class Refs:
   """The kernel's operands in global memory, by name (``operands.operands`` makes them):
   the work list (``meta``), the scalars, the sink weights (or None), the Q and K operands,
   V (FP8: transposed, [num_kv_heads, v_depth, rows], or for pages [num_kv_heads, v_depth,
-  batch * columns per sequence]; as it is with ``KernelSpec.vt_in_kernel``), ``v_tail``
+  batch * columns per sequence]), ``v_tail``
   (None for FP8), the block table (paged only, else None), FP8's scales (each [batch,
   num_kv_heads] float32: the logits' factor and V's, else None), the output and the
   per-item LSE (or None)."""
@@ -335,7 +330,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      p_smem=not spec.p_registers, vt_in_kernel=spec.vt_in_kernel, wgs=spec.wgs)
+      p_smem=not spec.p_registers, wgs=spec.wgs)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -870,27 +865,22 @@ def online_softmax(spec, s, acc, m_i, l_i, *, fold):
   (with ``KernelSpec.fixed_max``, soft-capped scores, the maximum stays m_i: no rescale).
   Returns (acc, l, m_new, p) (p float32). FP8 (its fold the item's traced
   factor): the maximum kept is P_BIAS less, so that P is 2**P_BIAS times its value (at
-  most 256). With ``poly_exp2``, part of the exp2s run as a polynomial on the FMA pipes
-  (``primitives.exp2_fma``)."""
-  poly = dict(poly_eighths=spec.poly_exp2)
+  most 256)."""
   if spec.fp8 and fold is not None:
     # (the item's factor, clamped to a positive normal float: ``read_item``)
     m_new = jnp.maximum(m_i, s.max(axis=1) * fold - P_BIAS)
-    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]))
   elif spec.fp8:
     m_new = jnp.maximum(m_i, s.max(axis=1) - P_BIAS)
-    if spec.poly_exp2:
-      p = primitives.exp2_fma(s, 1.0, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
-    else:
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
   elif fold is not None and spec.fixed_max is not None:
     # Soft-capped scores: the maximum is fixed (``fixed_maximum``), so no row maximum,
     # no rescale of the accumulators and the running sum.
-    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_i, s.shape, [0]), **poly)
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_i, s.shape, [0]))
     return acc, l_i, m_i, p
   elif fold is not None:
     m_new = jnp.maximum(m_i, s.max(axis=1) * fold)
-    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]), **poly)
+    p = primitives.exp2_fma(s, fold, lax.broadcast_in_dim(-m_new, s.shape, [0]))
   else:
     m_new = jnp.maximum(m_i, s.max(axis=1))
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -1131,28 +1121,18 @@ def producer_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, unit
     if spec.page_size is not None:
       seq = meta(L.meta_cols(spec.wgs))
       paged = (seq, lax.div(jnp.maximum(meta(L.KV_LEN) - 1, 0), jnp.int32(spec.block_kv)))
-    # The sequence's keys: [first, end) rows of K/V, or a paged sequence's positions
-    first = 0 if paged else meta(L.KV_START)
-    keys = (first, first + meta(L.KV_LEN))
 
     slot = lambda i: units.slot_of(i, base, item_lo)  # noqa: E731
     reuse = lambda i: base + i - item_lo >= spec.num_stages  # noqa: E731
     v_free = lambda i: pl.when(reuse(i))(  # noqa: E731
         lambda: plgpu.barrier_wait(scratch.v_consumed.at[slot(i)]))
 
-    def transpose(i):  # (``KernelSpec.vt_in_kernel``) tile i's V^T
-      transpose_vt_tile(spec, scratch, slot(i), tile_row(i), keys, before=lambda: v_free(i))
-
     @pl.loop(item_lo, item_hi)
     def _load(i):
       pl.when(reuse(i))(lambda: plgpu.barrier_wait(scratch.k_consumed.at[slot(i)]))
       load_kv_tile(spec, refs, scratch, slot(i), tile_row(i), kv_head, i, paged, tail8,
                    kv_tail, before_v=lambda: v_free(i))
-      if spec.vt_in_kernel:  # the last tile's V^T while this one's V arrives
-        pl.when(i > item_lo)(lambda: transpose(i - 1))
 
-    if spec.vt_in_kernel:
-      pl.when(item_hi > item_lo)(lambda: transpose(item_hi - 1))
     return base + item_hi - item_lo
 
   units.for_each_unit(load_item, lambda hw: None, units.publish)
@@ -1162,9 +1142,7 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
                  before_v=lambda: None):
   """TMA of KV tile i (first row `start`) into `slot`: K, then (after ``before_v``) V by
   the loader for the layout: FP8's V^T (of the keys' rows, or of a paged sequence's
-  positions; with ``KernelSpec.vt_in_kernel`` V's tile into the slot's ``v_raw``
-  buffers, for ``transpose_vt_tile``, without ``before_v``: those are the producer's own,
-  and the V^T buffers' wait is the transpose's),
+  positions),
   pages (``paged``: the sequence and its last tile, else None),
   batch-invariant tiles, or aligned ones (``tail8``, ``kv_tail``: the scalars'
   ``S_TAIL8`` and ``S_KV_TAIL``). Each copy is one arrival on the slot's
@@ -1172,11 +1150,6 @@ def load_kv_tile(spec, refs, scratch, slot, start, kv_head, i, paged, tail8, kv_
   copies = (paged_copies(spec, refs, paged[0], start) if paged
             else contiguous_copies(spec, start))
   load_k_tile(spec, refs, scratch, slot, copies, kv_head)
-  if spec.vt_in_kernel:  # (``before_v`` is ``transpose_vt_tile``'s, once)
-    for c, raw in enumerate(scratch.v_raw):
-      for src, rows in copies(refs.v, kv_head, pl.ds(c * L.CHUNK, L.CHUNK)):
-        plgpu.copy_gmem_to_smem(src, raw.at[slot].at[rows], scratch.v_raw_loaded.at[slot])
-    return
   before_v()
   if spec.fp8:
     # V^T's columns: the keys' rows, or a paged sequence's own (``vt_page_column``)
@@ -1259,24 +1232,6 @@ def load_vt_tile(spec, refs, scratch, slot, start, kv_head):
       plgpu.copy_gmem_to_smem(
           refs.v.at[kv_head, pl.ds(c * L.CHUNK, L.CHUNK), pl.ds(start + g * keys, keys)],
           fill.at[slot * groups + g], scratch.v_loaded.at[slot])
-
-
-def transpose_vt_tile(spec, scratch, slot, start, keys, *, before=lambda: None):
-  """FP8 (``KernelSpec.vt_in_kernel``): once its V tile (at row or position `start`) is in
-  the slot's ``v_raw`` buffers (``load_kv_tile``) and, after ``before``, the slot's V^T
-  buffers are free, this (producer) warpgroup stores the tile's V^T there, the keys
-  outside the sequence's ``keys`` [first, end) zeroed (``primitives.transpose_v_tile``),
-  fences it for the matrix products and signals ``v_loaded``: one arrival. The raw
-  buffers are free again after the fence (this warpgroup was their last reader)."""
-  before()
-  plgpu.barrier_wait(scratch.v_raw_loaded.at[slot])
-  lo = jnp.clip(keys[0] - start, 0, spec.block_kv)
-  hi = jnp.clip(keys[1] - start, 0, spec.block_kv)
-  for raw, (vt, _) in zip(scratch.v_raw, scratch.v):
-    primitives.transpose_v_tile(raw, vt, slot, lo, hi, groups=L.vt_groups(spec.block_kv),
-                                p_order=spec.p_registers)
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(scratch.v_loaded.at[slot])
 
 
 def load_v_tile_invariant(spec, refs, scratch, slot, start, kv_head, kv_tail):

@@ -292,8 +292,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   weights if any, Q, K, V and ``v_tail``, or FP8's V^T and scales and no ``v_tail``);
   with ``return_lse``, each output row's LSE slot; and the persistent grid's size, which
   the unit order is chosen for. Arguments as ``mosaic_gpu.ragged_attention_mgpu``'s;
-  ``fp8``: ``fp8_operands``' (V^T, then the scales), or V itself then the scales where
-  the kernel transposes V's tiles (``smem.vt_made_in_kernel``); ``interpret`` runs
+  ``fp8``: ``fp8_operands``' (V^T, then the scales); ``interpret`` runs
   ``work_items``' kernel in Mosaic GPU's interpret mode (to call this on the CPU)."""
   total_q, num_heads, _ = q_ops[0].shape
   total_kv = v.shape[0]
@@ -390,8 +389,7 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
   inputs = [table, scalars]
   inputs += [sink_weights.astype(jnp.float32)] if sink_weights is not None else []
   inputs += [grow(x, q_rows) for x in q_ops] + [grow(x, kv_rows) for x in k_ops]
-  # (FP8: V^T, or V itself where the kernel transposes its tiles: ``smem.vt_made_in_kernel``)
-  inputs += [grow(v, kv_rows) if fp8 is None or fp8[0] is v else fp8[0], *v_tail]
+  inputs += [grow(v, kv_rows) if fp8 is None else fp8[0], *v_tail]  # (FP8: V^T)
   inputs += [] if fp8 is None else list(fp8[1:])
   return inputs, (lse_slot if return_lse else None), programs
 

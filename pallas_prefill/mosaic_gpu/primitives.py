@@ -1,13 +1,10 @@
 """Mosaic GPU primitives the kernel needs that Pallas does not expose: PTX named barriers
-with a traced id, a fused multiply-add before ``ex2.approx`` (or before a polynomial exp2
-on the FMA pipes), the atomic claim of the next unit, the two-copy TMA of a row range
-whose last 8 rows may come from elsewhere, zeros stored without TMA
-(``store_zero_rows``), and FP8's V tile transposed in shared memory
-(``transpose_v_tile``)."""
+with a traced id, a fused multiply-add before ``ex2.approx``, the atomic claim of the next
+unit, the two-copy TMA of a row range whose last 8 rows may come from elsewhere, and zeros
+stored without TMA (``store_zero_rows``)."""
 
 from __future__ import annotations
 
-import functools
 import types
 
 import jax.numpy as jnp
@@ -111,77 +108,14 @@ def mask_columns(s, lo, hi):
   return masked(s, *bounds_in)
 
 
-# exp2 on the FMA pipes (FlashAttention-4's trick, for Hopper's 16 MUFU operations per
-# clock and SM): 2**x = 2**j * 2**f with j = round(x) by the 1.5 * 2**23 addition (FADD,
-# not the conversion unit), f = x - j in [-0.5, 0.5], 2**f = 1 + f (c1 + f (c2 + f c3))
-# (relative error 1.0e-4, below bf16's 2**-9 rounding of P; the constant term is exactly 1),
-# and j added to the exponent bits. x is clamped to -127 first, where f = 0 and the sum of
-# the bits is exactly +0.0: a masked score (-inf) gives 0 as ex2.approx does; x in
-# (-127, -126) gives a subnormal. ``poly_exp2_model`` is the same steps in NumPy.
-POLY_EXP2_COEFFS = (0.6932829022407532, 0.2422109693288803, 0.05500892922282219)
-POLY_EXP2_CLAMP = -127.0
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + it has round(x) in its low mantissa bits
-
-
-def _f32_hex(value: float) -> str:
-  return f"0f{int(np.float32(value).view(np.uint32)):08X}"
-
-
-_POLY_EXP2_PTX = "\n".join([
-    "{",
-    ".reg .f32 x, t, j, f, p;",
-    ".reg .b32 e, r;",
-    f"max.f32 x, $1, {_f32_hex(POLY_EXP2_CLAMP)};",
-    f"add.rn.f32 t, x, {_f32_hex(_ROUND_MAGIC)};",
-    f"sub.rn.f32 j, t, {_f32_hex(_ROUND_MAGIC)};",
-    "sub.rn.f32 f, x, j;",
-    f"fma.rn.f32 p, f, {_f32_hex(POLY_EXP2_COEFFS[2])}, {_f32_hex(POLY_EXP2_COEFFS[1])};",
-    f"fma.rn.f32 p, p, f, {_f32_hex(POLY_EXP2_COEFFS[0])};",
-    f"fma.rn.f32 p, p, f, {_f32_hex(1.0)};",
-    "shl.b32 e, t, 23;",
-    "mov.b32 r, p;",
-    "add.s32 r, r, e;",
-    "mov.b32 $0, r;",
-    "}",
-])
-
-
-def poly_exp2_model(x):
-  """``exp2_fma``'s polynomial exp2 in NumPy float32, step for step (the FMAs rounded
-  once each): what the tests hold the PTX's error and its zeros to."""
-  x = np.maximum(np.asarray(x, np.float32), np.float32(POLY_EXP2_CLAMP))
-  magic = np.float32(_ROUND_MAGIC)
-  t = x + magic
-  f = x - (t - magic)
-  c1, c2, c3 = (np.float64(np.float32(c)) for c in POLY_EXP2_COEFFS)
-  f64 = f.astype(np.float64)
-  p = np.float32(f64 * c3 + c2)
-  p = np.float32(p.astype(np.float64) * f64 + c1)
-  p = np.float32(p.astype(np.float64) * f64 + 1.0)
-  return (p.view(np.int32) + (t.view(np.int32) << 23)).view(np.float32)
-
-
-def _per_element(fn, reg):
-  """fn on each f32 of a register (an f32 or a vector of them)."""
-  if not isinstance(reg.type, ir.VectorType):
-    return fn(reg)
-  result = llvm.mlir_undef(reg.type)
-  for i in range(ir.VectorType(reg.type).shape[0]):
-    pos = ir.DenseI64ArrayAttr.get([i])
-    elem = vector.extract(reg, dynamic_position=[], static_position=pos)
-    result = vector.insert(fn(elem), result, dynamic_position=[], static_position=pos)
-  return result
-
-
-def exp2_fma(s, scale, neg_m, *, poly_eighths: int = 0):
+def exp2_fma(s, scale, neg_m):
   """exp2(s * scale + neg_m) for scores s [rows, cols] in the WGMMA layout, a scale (a
   Python float, or a traced float32 scalar: FP8's per-item factor) and neg_m [rows, cols]
   (a row vector broadcast): one fused multiply-add and one ``ex2.approx``
   per element (Mosaic GPU emits a multiplication and an addition as two instructions).
-  ``poly_eighths`` of every 8 of a thread's registers (each 2 scores) take the polynomial
-  exp2 on the FMA pipes instead (``POLY_EXP2_COEFFS``), which relieves the MUFU unit
-  where it, not the tensor cores, is the limit (a soft cap's tanh); 0 to 8, as
-  ``MosaicOptions.poly_exp2`` checks it."""
+  (Part of the exp2s as a polynomial on the FMA pipes, FlashAttention-4's trick, lost on
+  the H200 at every fraction: BUILD_NOTES.md, nineteenth session;
+  ``benchmarks/results/archive/wip-poly-exp2-fp8-vt-in-kernel.patch``.)"""
 
   traced = not isinstance(scale, (int, float))
 
@@ -199,15 +133,7 @@ def exp2_fma(s, scale, neg_m, *, poly_eighths: int = 0):
       return mlir_math.fma(a, k, c)
 
     y = x._pointwise(fma, b)  # pylint: disable=protected-access
-    if not poly_eighths:
-      return y.exp2(approx=True)
-    asm = lambda ptx: functools.partial(  # noqa: E731
-        _per_element, lambda e: llvm.inline_asm(f32, [e], ptx, "=f,f"))
-    exact, poly = asm("ex2.approx.ftz.f32 $0, $1;"), asm(_POLY_EXP2_PTX)
-    regs = np.empty_like(y.registers)
-    for n, (idx, reg) in enumerate(np.ndenumerate(y.registers)):
-      regs[idx] = poly(reg) if n % 8 < poly_eighths else exact(reg)
-    return mgpu.FragmentedArray(_registers=regs, _layout=y.layout, _is_signed=None)
+    return y.exp2(approx=True)
 
   return fma_exp2(s, neg_m, *([jnp.asarray(scale, jnp.float32)] if traced else []))
 
@@ -410,178 +336,3 @@ def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):
   @pl.when(last8 != tail_group)
   def _():
     plgpu.copy_gmem_to_smem(src(pl.ds(last8 * 8, 8)), dst.at[pl.ds(head, 8)], barrier)
-
-
-# FP8's V^T from V in the kernel (``MosaicOptions.fp8_vt_in_kernel``): the producer
-# warpgroup transposes each V tile in shared memory, FlashAttention-3's way (4-byte loads,
-# byte permutes, 4-byte stores). A V^T buffer is 64 rows (V's columns) of ``VT_GROUP`` keys,
-# 128 bytes a row with TMA's 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)),
-# the matrix products' B operand. A thread's unit is 4 of V's columns x 4 keys: 4 loads
-# (one key's 4 columns each) from the untiled V tile (64-byte rows), 8 permutes, 4 stores
-# (one column's 4 keys each); 512 units a buffer, 4 a thread.
-VT_UNITS = 4  # units a thread per V^T buffer (512 / 128 threads)
-_PRMT_SWAP = 0x4444  # turns a permute's selector into the one with its operands swapped
-
-
-def vt_unit(lane, warp, j, *, p_order: bool):
-  """Unit j of a producer thread (``lane`` 0..31 of warp ``warp`` 0..3 of the warpgroup),
-  in the compact form ``_vt_unit_ptx`` takes (few live registers: the producer has 40):
-  (a, b, dq, dst, swz, sel, byte_keys). Its 4 loads are keys a, b, a + step, b + step
-  (``vt_unit_step``; byte 64 * key + 4 * dq of the V tile), its 4 stores (V^T row
-  4 dq + r, r = 0..3) at byte dst + 128 r + (swz ^ 16 r) of the swizzled V^T buffer;
-  ``sel`` is its first permutes' selector (the second's is sel ^ 0x2222), ``byte_keys``
-  the keys of each stored word's bytes (V^T's columns 4 * lane + 0..3). Plain integer
-  arithmetic (+, -, *, &, ^, <<, >>), so that the kernel runs it on MLIR values
-  (``_I32``) and the tests on NumPy arrays (``vt_unit_addresses``), and check there:
-  every (column, key) pair stored once, and no shared-memory bank conflict at any load
-  or store (lanes 16-31 load their keys in swapped pairs, so that a warp's 32 loads fall
-  on rows of both parities; their permutes swap back).
-
-  The keys of a thread's stored bytes are in ``fp8_p_key``'s order with ``p_order``
-  (16G + 2q + (0, 1, 8, 9), G = lane / 4, q = lane % 4), else consecutive."""
-  half = lane >> 4
-  dq = (lane + 4 * warp + j) & 15  # the unit's columns of V: 4dq .. 4dq + 3
-  g16, q = lane >> 2, lane & 3
-  base = 16 * g16 + 2 * q if p_order else 16 * g16 + 4 * q
-  step = vt_unit_step(p_order)
-  byte_keys = [base, base + 1, base + step, base + step + 1]
-  # Row 4dq + r's 16-byte chunk: G ^ ((4dq + r) % 8) = (G ^ 4 (dq % 2)) ^ r (r < 4)
-  swz = (g16 ^ (4 * (dq & 1))) << 4
-  dst = 4 * L.VT_GROUP * dq + 4 * q
-  a = base + half  # lanes 16-31: keys base + 1, base first
-  return a, base + 1 - half, dq, dst, swz, 0x5140 ^ (half * _PRMT_SWAP), byte_keys
-
-
-def vt_unit_step(p_order: bool) -> int:
-  """The keys between a unit's two pairs (``vt_unit``)."""
-  return 8 if p_order else 2
-
-
-def vt_unit_addresses(unit, *, p_order: bool):
-  """``vt_unit``'s unit expanded as ``_vt_unit_ptx`` does: (keys in load order, byte
-  offsets of the 4 stores, r = 0..3)."""
-  a, b, _, dst, swz, _, _ = unit
-  step = vt_unit_step(p_order)
-  return ([a, b, a + step, b + step],
-          [dst + L.VT_GROUP * r + (swz ^ (16 * r)) for r in range(4)])
-
-
-def _vt_unit_ptx(step_bytes: int) -> str:
-  """One unit (``vt_unit``): $0 and $1 the load addresses of keys a and b, the other two
-  ``step_bytes`` on; $2 the store base (dst), $3 the swizzle bits (swz), $4 the first
-  permutes' selector, $5 the mask of the keys that are the sequence's (0xFF a byte)."""
-  lines = ["{", ".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, o, s, a;",
-           "ld.shared.b32 w0, [$0];", "ld.shared.b32 w1, [$1];",
-           f"ld.shared.b32 w2, [$0+{step_bytes}];", f"ld.shared.b32 w3, [$1+{step_bytes}];",
-           "xor.b32 s, $4, 0x2222;",
-           "prmt.b32 t0, w0, w1, $4;", "prmt.b32 t1, w0, w1, s;",
-           "prmt.b32 t2, w2, w3, $4;", "prmt.b32 t3, w2, w3, s;"]
-  for r, (x, y, sel) in enumerate([("t0", "t2", "0x5410"), ("t0", "t2", "0x7632"),
-                                   ("t1", "t3", "0x5410"), ("t1", "t3", "0x7632")]):
-    lines += [f"prmt.b32 o, {x}, {y}, {sel};", "and.b32 o, o, $5;",
-              f"xor.b32 a, $3, {16 * r};", "add.u32 a, a, $2;",
-              f"st.shared.b32 [a+{L.VT_GROUP * r}], o;"]
-  return "\n".join(lines + ["}"])
-
-
-def prmt_model(a, b, selector):
-  """PTX ``prmt.b32`` (default mode) in NumPy: byte i of the result is byte
-  (selector >> 4i) & 7 of the 8 bytes b:a (a's are 0-3)."""
-  a, b, selector = (np.asarray(x, np.uint64) for x in (a, b, selector))
-  both = a | (b << np.uint64(32))
-  out = np.zeros(np.broadcast(a, b, selector).shape, np.uint64)
-  for i in range(4):
-    pick = (selector >> np.uint64(4 * i)) & np.uint64(7)
-    out |= ((both >> (pick * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * i)
-  return out.astype(np.uint32)
-
-
-def vt_unit_model(words, selectors):
-  """``_vt_unit_ptx``'s permutes in NumPy: the 4 loaded words (any shape each) and the
-  first permutes' selectors -> the 4 stored words (before the mask)."""
-  w0, w1, w2, w3 = words
-  lo, hi = selectors
-  t0, t1 = prmt_model(w0, w1, lo), prmt_model(w0, w1, hi)
-  t2, t3 = prmt_model(w2, w3, lo), prmt_model(w2, w3, hi)
-  return [prmt_model(t0, t2, 0x5410), prmt_model(t0, t2, 0x7632),
-          prmt_model(t1, t3, 0x5410), prmt_model(t1, t3, 0x7632)]
-
-
-class _I32:
-  """An i32 MLIR value with the integer operators ``vt_unit`` uses."""
-
-  def __init__(self, value):
-    self.v = value
-
-  @staticmethod
-  def of(x):
-    if isinstance(x, _I32):
-      return x.v
-    return arith.constant(ir.IntegerType.get_signless(32), int(x))
-
-  def _op(self, op, other, swap=False):
-    a, b = self.v, _I32.of(other)
-    return _I32(op(b, a) if swap else op(a, b))
-
-  __add__ = lambda s, o: s._op(arith.addi, o)  # noqa: E731
-  __sub__ = lambda s, o: s._op(arith.subi, o)  # noqa: E731
-  __radd__ = lambda s, o: s._op(arith.addi, o, True)  # noqa: E731
-  __mul__ = lambda s, o: s._op(arith.muli, o)  # noqa: E731
-  __rmul__ = lambda s, o: s._op(arith.muli, o, True)  # noqa: E731
-  __and__ = lambda s, o: s._op(arith.andi, o)  # noqa: E731
-  __xor__ = lambda s, o: s._op(arith.xori, o)  # noqa: E731
-  __rxor__ = lambda s, o: s._op(arith.xori, o, True)  # noqa: E731
-  __rshift__ = lambda s, o: s._op(arith.shrui, o)  # noqa: E731
-  __lshift__ = lambda s, o: s._op(arith.shli, o)  # noqa: E731
-
-
-def _smem_address(ref):
-  """The 32-bit shared-memory address of a shared-memory memref's first element."""
-  try:  # jax 0.11: the address space is an argument
-    ptr = mgpu.utils.memref_ptr(ref, memory_space=3)
-  except TypeError:  # later: read from the memref's type
-    ptr = mgpu.utils.memref_ptr(ref)
-  return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
-
-
-def transpose_v_tile(raw, vt, slot, lo, hi, *, groups: int, p_order: bool):
-  """FP8: V^T of K/V slot ``slot`` from its V tile, by the producer warpgroup (all of its
-  threads; ``vt_unit``). ``raw``: one 64-column chunk of V tiles, [slots, block_kv, 64]
-  untiled, as TMA filled it; ``vt``: that chunk's V^T buffers, [slots * groups, 64,
-  L.VT_GROUP], an untransformed view of the swizzled bytes the matrix products read.
-  The tile's keys outside [lo, hi) (traced int32, tile rows) are stored as zeros: a
-  neighbour's, padding or stale cache rows may hold NaN, and 0 * NaN would reach P.V. The
-  caller fences the stores for the matrix products (``plgpu.commit_smem``)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
-  def transpose(_, raw_ref, vt_ref, s, a, b):
-    i32 = ir.IntegerType.get_signless(32)
-    s, a, b = (x.registers[()] for x in (s, a, b))
-    tid = _I32(arith.remui(mgpu.utils.thread_idx(), arith.constant(i32, 128)))
-    lane, warp = tid & 31, tid >> 5
-    block_kv = ir.MemRefType(raw_ref.type).shape[1]
-    raw_base = _I32(_smem_address(raw_ref)) + _I32(s) * (block_kv * 64)
-    vt_base = _I32(_smem_address(vt_ref)) + _I32(s) * (groups * 64 * L.VT_GROUP)
-    void = ir.Type.parse("!llvm.void")
-    step_bytes = 64 * vt_unit_step(p_order)
-    for g in range(groups):
-      mask = None
-      for j in range(VT_UNITS):
-        a_key, b_key, dq, dst, swz, sel, byte_keys = vt_unit(lane, warp, j, p_order=p_order)
-        if mask is None:  # (the keys depend on the lane only)
-          mask = _I32(arith.constant(i32, 0))
-          for i, key in enumerate(byte_keys):
-            k = (key + g * L.VT_GROUP).v
-            live = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, k, a),
-                              arith.cmpi(arith.CmpIPredicate.slt, k, b))
-            byte = arith.select(live, arith.constant(i32, 0xFF << (8 * i)),
-                                arith.constant(i32, 0))
-            mask = _I32(arith.ori(mask.v, byte))
-        src = [(raw_base + (key + g * L.VT_GROUP) * 64 + 4 * dq).v for key in (a_key, b_key)]
-        llvm.inline_asm(void, [*src, (vt_base + g * 64 * L.VT_GROUP + dst).v, swz.v, sel.v,
-                               mask.v], _vt_unit_ptx(step_bytes), ",".join(["r"] * 6),
-                        has_side_effects=True)
-
-  transpose(raw, vt, jnp.asarray(slot, jnp.int32), jnp.asarray(lo, jnp.int32),
-            jnp.asarray(hi, jnp.int32))

@@ -28,7 +28,7 @@ BARRIER_BYTES = 8
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
     "q", "k", "v", "p", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
-    "v_consumed", "unit_ready", "unit_used", "v_raw", "v_raw_loaded"])
+    "v_consumed", "unit_ready", "unit_used"])
 @dataclasses.dataclass(frozen=True)
 class Scratch:
   """The kernel's shared memory and barriers, by name: allocation specs before
@@ -51,12 +51,6 @@ class Scratch:
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
     q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
       barriers; unit_ready / unit_used: per unit slot, or None.
-    v_raw, v_raw_loaded: FP8 with V^T made in the kernel
-      (``MosaicOptions.fp8_vt_in_kernel``; else None): per 64 columns of V, its tiles as
-      TMA brings them, [lanes * num_stages, block_kv, 64] untiled, and their barriers per
-      slot; ``v`` is then an untransformed view (which the producer warpgroup stores V^T
-      into, ``primitives.transpose_v_tile``) and the tiled one, and ``v_loaded`` counts
-      the producer's one arrival once V^T is stored.
   """
 
   q: list
@@ -73,20 +67,17 @@ class Scratch:
   v_consumed: object
   unit_ready: object
   unit_used: object
-  v_raw: object = None
-  v_raw_loaded: object = None
 
 
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
             pages: int, paged: bool, one_v_copy: bool = False, p_smem: bool = True,
-            vt_in_kernel: bool = False, wgs: int = L.COMPUTE_WGS) -> Scratch:
+            wgs: int = L.COMPUTE_WGS) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
   ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
-  P goes through shared memory (False: from registers, no buffer); ``vt_in_kernel``: FP8's
-  V^T made from V tiles in the kernel (``Scratch.v_raw``); ``wgs``: the compute
+  P goes through shared memory (False: from registers, no buffer); ``wgs``: the compute
   warpgroups (2 with ``split``)."""
   lanes = wgs if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else wgs  # compute warpgroups reading a stream's tiles
@@ -114,16 +105,10 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   groups = L.vt_groups(block_kv) if fp8 else 1
   v_shape = ((slots * groups, L.CHUNK, block_kv // groups) if fp8
              else (slots, block_kv, L.CHUNK))
-  vt_in_kernel = fp8 and vt_in_kernel
-  if vt_in_kernel:  # the producer stores V^T through an untransformed view
-    v_buffers = [plgpu.RefUnion(plgpu.SMEM(v_shape, dtype), tiled(v_shape))
-                 for _ in range(v_chunks)]
-  else:
-    v_buffers = [chunk_buffer(v_shape) for _ in range(v_chunks)]
   return Scratch(
       q=[chunk_buffer((wgs, block_q, L.CHUNK)) for _ in range(chunks)],
       k=[chunk_buffer((slots, block_kv, L.CHUNK)) for _ in range(chunks)],
-      v=v_buffers,
+      v=[chunk_buffer(v_shape) for _ in range(v_chunks)],
       p=tiled((wgs, block_q, block_kv)) if fp8 and p_smem else None,
       o=[plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
       lse=plgpu.SMEM((wgs, block_q), jnp.float32) if has_lse else None,
@@ -134,18 +119,13 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       # tiles one; FP8's V^T one per chunk and buffer (``groups``), paged or not; paged
       # V: one per chunk and page. (Each copy is one arrival: a count above the copies
       # never completes, and the kernel hangs.)
-      v_loaded=barrier(num_arrivals=1 if vt_in_kernel else (
+      v_loaded=barrier(num_arrivals=(
           groups if fp8 else pages if paged else 1 if one_v_copy else 2) * v_chunks,
                        num_barriers=slots),
       k_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       v_consumed=barrier(num_arrivals=consumers, num_barriers=slots),
       unit_ready=barrier(num_arrivals=1, num_barriers=2 * lanes) if dynamic else None,
       unit_used=barrier(num_arrivals=consumers, num_barriers=2 * lanes) if dynamic else None,
-      # V tiles for the producer's transpose: one copy per chunk and page
-      v_raw=[plgpu.SMEM((slots, block_kv, L.CHUNK), dtype) for _ in range(v_chunks)]
-      if vt_in_kernel else None,
-      v_raw_loaded=barrier(num_arrivals=pages * v_chunks, num_barriers=slots)
-      if vt_in_kernel else None,
   )
 
 
@@ -165,15 +145,6 @@ def allocated_bytes(spec: Scratch) -> int:
   return total
 
 
-def vt_made_in_kernel(config: MosaicConfig, v_depth: int) -> bool:
-  """Whether an FP8 kernel makes its V^T from V tiles itself
-  (``MosaicOptions.fp8_vt_in_kernel``): where a V^T buffer's row is
-  ``layout.VT_GROUP`` keys: K/V tiles of 128 or 256 keys (and V's depth a
-  multiple of 64, as the kernel needs). Else V^T comes from a pass of its own."""
-  return (config.options.fp8_vt_in_kernel and config.block_kv % L.VT_GROUP == 0
-          and v_depth % L.CHUNK == 0)
-
-
 def splits(config: MosaicConfig) -> bool:
   """Whether the kernel runs split units: ``config.split_units``, which needs dynamic
   scheduling (without it the units are shared)."""
@@ -188,8 +159,7 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
-      p_smem=not config.options.fp8_p_registers,
-      vt_in_kernel=vt_made_in_kernel(config, v_depth), wgs=config.compute_wgs))
+      p_smem=not config.options.fp8_p_registers, wgs=config.compute_wgs))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
