@@ -21,8 +21,8 @@ def check_offsets(name, offsets, batch=None):
   check_array(name, offsets, 1)
   if jnp.dtype(offsets.dtype) not in [jnp.dtype(d) for d in OFFSET_DTYPES]:
     raise TypeError(f"{name} must be int32 or uint32, got {offsets.dtype}")
-  if offsets.shape[0] < 2:
-    raise ValueError(f"{name} must have length batch + 1 >= 2, got {offsets.shape[0]}")
+  if offsets.shape[0] < 1:
+    raise ValueError(f"{name} must have length batch + 1 >= 1, got {offsets.shape[0]}")
   if batch is not None and offsets.shape[0] != batch + 1:
     raise ValueError(
         f"{name} must have length batch + 1 = {batch + 1} like input_row_offsets, "

@@ -177,6 +177,14 @@ def _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,
   return out, lse
 
 
+def empty_batch(total_q, num_heads, v_depth, *, output_dtype, return_lse, **_):
+  """The result of an entry point's call on an empty batch (offsets [0]: no sequence, so
+  every row is past the last offset): zeros, with LSE -1e30 (sinks or not). No kernel
+  runs. The other arguments of ``static_options``' dict are ignored."""
+  return _no_keys(total_q, num_heads, v_depth, jnp.zeros((1,), jnp.int32), None,
+                  output_dtype, return_lse)
+
+
 # The options an entry point's jitted implementation takes as static arguments.
 STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse", "config",
                   "interpret", "backend", "logits_soft_cap")

@@ -38,7 +38,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       pages [num_pages, page_size, num_kv_heads, head_dim(_v)]: a paged cache whose new
       rows ``paged.write_kv`` has placed at cache_length onward; then kv_len =
       cache_length + q_len, start_pos = cache_length, and kv_input_row_offsets is None.
-    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
+    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0. An empty batch
+      ([0]) gives zeros and LSE -1e30 for every row, with no kernel run.
     max_prompt_len: static int >= every sequence's query count; sizes the grid, so bucket
       it to limit recompilation.
     kv_input_row_offsets: optional [batch + 1] int32 or uint32 K/V row offsets.
@@ -134,12 +135,14 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                       batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  return jitted_mha_prefill(
-      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
-      **dispatch.static_options(
-          q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-          output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
+  static = dispatch.static_options(
+      q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+      output_dtype=output_dtype, return_lse=return_lse, config=config,
+      interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
+  if input_row_offsets.shape[0] == 1:  # an empty batch
+    return dispatch.empty_batch(q.shape[0], num_heads, v.shape[-1], **static)
+  return jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets,
+                            sink_weights, scales, **static)
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)

@@ -45,7 +45,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     v: [total_kv, num_kv_heads, d_v], same dtype as k_nope.
       k_nope, k_rope and v may instead all be ``PagedKV`` over one block table and cache
       lengths (pages [num_pages, page_size, heads, depth]), as in ``mha_prefill``.
-    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0.
+    input_row_offsets: [batch + 1] int32 or uint32, nondecreasing from 0. An empty batch
+      ([0]) gives zeros and LSE -1e30 for every row, with no kernel run.
     max_prompt_len: static int >= every sequence's query count.
     kv_input_row_offsets: optional [batch + 1] K/V row offsets (cached prefix or
       cross-attention); None: K/V packed like Q.
@@ -117,12 +118,14 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                       names=("q", "k_nope", "v"))
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  return jitted_mla_prefill(
-      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales,
-      **dispatch.static_options(
-          q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-          output_dtype=output_dtype, return_lse=return_lse, config=config,
-          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
+  static = dispatch.static_options(
+      q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+      output_dtype=output_dtype, return_lse=return_lse, config=config,
+      interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
+  if input_row_offsets.shape[0] == 1:  # an empty batch
+    return dispatch.empty_batch(q.shape[0], num_heads, v.shape[-1], **static)
+  return jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
+                            scales, **static)
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)

@@ -64,7 +64,8 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
       included: an FP8 cache's rows are written as given, already quantized for the
       scales the prefill then takes).
     new_rows: [total_q, heads, depth] packed like the queries, same dtype as pages.
-    input_row_offsets: [batch + 1] int32 or uint32 offsets of the new rows.
+    input_row_offsets: [batch + 1] int32 or uint32 offsets of the new rows (an empty
+      batch, [0], writes nothing).
     block_table: [batch, max_pages_per_seq] int32.
     cache_lengths: [batch] int32.
 
@@ -85,6 +86,8 @@ def write_kv(pages, new_rows, input_row_offsets, block_table, cache_lengths):
   total = new_rows.shape[0]
   offsets = input_row_offsets.astype(jnp.int32)
   batch = offsets.shape[0] - 1
+  if batch == 0 or block_table.shape[1] == 0:  # no sequence, or no page: nothing to place
+    return pages
   rows = jnp.arange(total, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right", method="scan_unrolled")
                  .astype(jnp.int32) - 1,

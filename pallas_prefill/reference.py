@@ -140,6 +140,15 @@ def _heads(x, num_heads):
   return jnp.repeat(x.astype(jnp.float32), num_heads // x.shape[1], axis=1)
 
 
+def _empty_batch(q, k, v, output_dtype, return_lse):
+  """The result on an empty batch (offsets [0]): zeros, with LSE -1e30."""
+  out = jnp.zeros((*q.shape[:2], v.shape[-1]),
+                  _fp8_output_dtype(q, k, output_dtype) or q.dtype)
+  if not return_lse:
+    return out
+  return out, jnp.full(q.shape[:2], EMPTY_ROW_LSE, jnp.float32)
+
+
 def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
                           kv_input_row_offsets=None, mask=masks_lib.CausalMask(), scale=None,
                           sink_weights=None, output_dtype=None, return_lse=False,
@@ -152,6 +161,8 @@ def mha_prefill_reference(q, k, v, input_row_offsets, *, max_prompt_len,
   """
   del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
+  if input_row_offsets.shape[0] == 1:  # an empty batch: every row past the last offset
+    return _empty_batch(q, k, v, output_dtype, return_lse)
   (k, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets, k, v)
   output_dtype = _fp8_output_dtype(q, k, output_dtype)
   batch, num_kv_heads = input_row_offsets.shape[0] - 1, k.shape[-2]
@@ -184,6 +195,8 @@ def mla_prefill_reference(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt
   """
   del max_prompt_len, config, interpret, backend
   num_heads = q.shape[1]
+  if input_row_offsets.shape[0] == 1:  # an empty batch: every row past the last offset
+    return _empty_batch(q, k_nope, v, output_dtype, return_lse)
   (k_nope, k_rope, v), keys, kv_lens = _unpage(input_row_offsets, kv_input_row_offsets,
                                                k_nope, k_rope, v)
   output_dtype = _fp8_output_dtype(q, k_nope, output_dtype)

@@ -244,8 +244,8 @@ def validate_offsets(input_row_offsets, *, max_prompt_len, total_q,
 
 def _validate_one(name, offsets, total, max_len=None):
   off = np.asarray(offsets).astype(np.int64)
-  if off.ndim != 1 or off.shape[0] < 2:
-    raise ValueError(f"{name} must be a vector of length batch + 1 >= 2, got {off.shape}")
+  if off.ndim != 1 or off.shape[0] < 1:
+    raise ValueError(f"{name} must be a vector of length batch + 1 >= 1, got {off.shape}")
   if off[0] != 0:
     raise ValueError(f"{name}[0] must be 0, got {off[0]}")
   lengths = np.diff(off)

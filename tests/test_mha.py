@@ -1,5 +1,6 @@
 """mha_prefill against the float32 reference in interpret mode (CI runs these on the CPU)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,6 +99,47 @@ def test_no_rows_at_all(sink):
   ref, ref_lse = pp.reference.mha_prefill_reference(*args, **kwargs)
   assert out.shape == (9, 2, 8) and not np.asarray(out, np.float32).any()
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mha", "kv_offsets", "paged", "fp8", "mla"])
+@pytest.mark.parametrize("total_q", [0, 7])
+def test_an_empty_batch_gives_zeros(kind, total_q):
+  """Offsets [0] (batch 0, no sequence): every row is past the last offset, so zeros
+  with LSE -1e30 (sinks or not), eagerly and under jit, as the reference gives them; no
+  kernel runs. ``write_kv`` leaves the pages as they are."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+  off = jnp.zeros((1,), jnp.int32)
+  kw = dict(max_prompt_len=16, return_lse=True)
+  kv_rows = 5 if kind == "kv_offsets" else total_q  # (else packed like Q)
+  q, k, v = x(total_q, 4, 32), x(kv_rows, 2, 32), x(kv_rows, 2, 16)
+  if kind == "mla":
+    args = (x(total_q, 4, 48), x(kv_rows, 4, 32), x(kv_rows, 1, 16), x(kv_rows, 4, 16))
+    entry, reference = pp.mla_prefill, pp.reference.mla_prefill_reference
+  else:
+    entry, reference = pp.mha_prefill, pp.reference.mha_prefill_reference
+    kw["sink_weights"] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    args = (q, k, v)
+  if kind == "kv_offsets":
+    kw["kv_input_row_offsets"] = off
+  elif kind == "paged":
+    pages = x(3, 16, 2, 32)
+    table, lengths = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32)
+    assert pp.paged.write_kv(pages, k, off, table, lengths) is pages
+    args = (q, pp.PagedKV(pages, table, lengths), pp.PagedKV(x(3, 16, 2, 16), table, lengths))
+  elif kind == "fp8":
+    e4 = jnp.float8_e4m3fn
+    args = tuple(a.astype(e4) for a in args)
+    kw.update(q_scale=jnp.float32(0.5), k_scale=jnp.ones((0, 2), jnp.float32),
+              v_scale=jnp.ones((2,), jnp.float32))
+  want_out, want_lse = reference(*args, off, **kw)
+  for fn in (entry, jax.jit(lambda *a: entry(*a, **kw))):
+    out, lse = fn(*args, off, **kw) if fn is entry else fn(*args, off)
+    assert out.shape == (total_q, 4, 16) and lse.shape == (total_q, 4)
+    assert out.dtype == (jnp.bfloat16 if kind == "fp8" else args[0].dtype) == want_out.dtype
+    assert not np.asarray(out, np.float32).any() and not np.asarray(want_out, np.float32).any()
+    np.testing.assert_array_equal(np.asarray(lse), np.full((total_q, 4), -1e30, np.float32))
+    np.testing.assert_array_equal(np.asarray(want_lse), np.asarray(lse))
 
 
 def test_batch_beyond_the_launch_grid_is_refused():

@@ -215,8 +215,10 @@ def test_concrete_tables_and_cache_lengths_must_be_shared():
     (dict(offsets=[0, 2, 4, 5]), TypeError, r"^input_row_offsets must be an array, got list"),
     (dict(offsets=np.array([0, 2, 4, 5], np.float32)), TypeError,
      r"^input_row_offsets must be int32 or uint32, got float32"),
+    (dict(offsets=np.array([], np.int32)), ValueError,
+     r"^input_row_offsets must have length batch \+ 1 >= 1, got 0"),
     (dict(offsets=np.array([0], np.int32)), ValueError,
-     r"^input_row_offsets must have length batch \+ 1 >= 2, got 1"),
+     r"^block_table must have batch = 0 rows \(input_row_offsets' length - 1\), got 3"),
     (dict(offsets=np.array([0, 4, 2, 5], np.int32)), ValueError,
      r"^input_row_offsets must be nondecreasing from 0 to at most the 5 rows of new_rows, "
      r"got \[0, 4, 2, 5\]"),
