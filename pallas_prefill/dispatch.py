@@ -202,5 +202,5 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
       return_lse=bool(return_lse), config=config,
-      interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+      interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret),
       backend=backend)

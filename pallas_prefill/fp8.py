@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_prefill.checks import check_array
+
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
 
@@ -92,10 +94,15 @@ def output_dtype_for(q_dtype):
 
 def absmax_scale(x, groups=None, dtype=jnp.float8_e4m3fn):
   """The absmax dequantization scale of x [rows, heads, depth], float32 [groups]: one per
-  group of heads // groups consecutive heads (None: one per head), the group's largest
-  magnitude over the dtype's largest value (1 for an all-zero group)."""
+  group of heads // groups consecutive heads (None: one per head), the largest magnitude
+  of the group's finite values over the dtype's largest value (1 for a group without a
+  finite nonzero value, no rows included). NaN and inf do not count, so that one of
+  them leaves the rest of its group's scale as it would be."""
   groups = x.shape[1] if groups is None else groups
-  top = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(x.shape[0], groups, -1), axis=(0, 2))
+  magnitude = jnp.abs(x.astype(jnp.float32))
+  magnitude = jnp.where(jnp.isfinite(magnitude), magnitude, 0.0)
+  per_group = (x.shape[1] // groups) * x.shape[2]
+  top = jnp.max(magnitude.reshape(x.shape[0], groups, per_group), axis=(0, 2), initial=0.0)
   return scale_for_absmax(top, dtype)
 
 
@@ -110,6 +117,12 @@ def scale_for_absmax(top, dtype=jnp.float8_e4m3fn):
 
 def quantize(x, dtype=jnp.float8_e4m3fn):
   """Per-head absmax quantization of x [rows, heads, depth]: (x8, scale [heads] float32)
-  with x ~= x8 * scale and each head's largest magnitude at the dtype's largest value."""
+  with x ~= x8 * scale and each head's largest finite magnitude at the dtype's largest
+  value (``absmax_scale``). NaN stays NaN; inf becomes e5m2's inf, and NaN in e4m3fn,
+  which has no inf. Raises ValueError for another rank, TypeError for a dtype that is
+  not float8_e4m3fn or float8_e5m2."""
+  check_array("x", x, 3)
+  if not is_fp8(dtype):
+    raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype!r}")
   scale = absmax_scale(x, dtype=dtype)
   return (x.astype(jnp.float32) / scale[None, :, None]).astype(dtype), scale

@@ -135,21 +135,25 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                       batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  static = dispatch.static_options(
-      q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-      output_dtype=output_dtype, return_lse=return_lse, config=config,
-      interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
-  if input_row_offsets.shape[0] == 1:  # an empty batch
-    return dispatch.empty_batch(q.shape[0], num_heads, v.shape[-1], **static)
-  return jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets,
-                            sink_weights, scales, **static)
+  impl = jitted_mha_prefill
+  if partitioning.batched(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights):
+    impl = jitted_mha_prefill.__wrapped__  # (under vmap: ``partitioning.batched``)
+  return impl(
+      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
+      **dispatch.static_options(
+          q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def jitted_mha_prefill(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights,
                        scales=None, **static):
   """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
-  split over head shards where the operands are sharded (``partitioning``)."""
+  split over head shards where the operands are sharded (``partitioning``); an empty
+  batch (offsets [0]) runs no kernel (``dispatch.empty_batch``)."""
+  if input_row_offsets.shape[0] == 1:
+    return dispatch.empty_batch(q.shape[0], q.shape[1], v.shape[-1], **static)
   kv_starts, kv_ends = logits.kv_rows(kv_input_row_offsets) or (None, None)
   return head_parallel_mha(q, k, v, input_row_offsets, kv_starts, kv_ends, sink_weights,
                            scales, **static)

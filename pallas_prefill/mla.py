@@ -118,21 +118,25 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                       names=("q", "k_nope", "v"))
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  static = dispatch.static_options(
-      q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-      output_dtype=output_dtype, return_lse=return_lse, config=config,
-      interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
-  if input_row_offsets.shape[0] == 1:  # an empty batch
-    return dispatch.empty_batch(q.shape[0], num_heads, v.shape[-1], **static)
-  return jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
-                            scales, **static)
+  impl = jitted_mla_prefill
+  if partitioning.batched(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets):
+    impl = jitted_mla_prefill.__wrapped__  # (under vmap: ``partitioning.batched``)
+  return impl(
+      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales,
+      **dispatch.static_options(
+          q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 
 @functools.partial(jax.jit, static_argnames=dispatch.STATIC_OPTIONS)
 def jitted_mla_prefill(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets,
                        scales=None, **static):
   """The entry point under ``jax.jit`` (static options from ``dispatch.static_options``),
-  split over head shards where the operands are sharded (``partitioning``)."""
+  split over head shards where the operands are sharded (``partitioning``); an empty
+  batch (offsets [0]) runs no kernel (``dispatch.empty_batch``)."""
+  if input_row_offsets.shape[0] == 1:
+    return dispatch.empty_batch(q.shape[0], q.shape[1], v.shape[-1], **static)
   hp = partitioning
   return hp.head_parallel(
       mla_on_shards,

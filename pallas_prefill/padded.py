@@ -24,6 +24,7 @@ from pallas_prefill import dispatch
 from pallas_prefill import fp8
 from pallas_prefill import masks as masks_lib
 from pallas_prefill import mha
+from pallas_prefill import partitioning
 from pallas_prefill import validation as val
 from pallas_prefill.constants import EMPTY_ROW_LSE
 
@@ -315,10 +316,12 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
       output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
       backend=backend, logits_soft_cap=logits_soft_cap)
-  return _padded_attention(query, key, value, *layout[1:], sink_weights, scales,
-                           segments=layout[0] == "segments",
-                           padding_segment_id=padding_segment_id,
-                           max_segments=max_segments, **static)
+  impl = _padded_attention
+  if partitioning.batched(query, key, value, *layout[1:], sink_weights):
+    impl = _padded_attention.__wrapped__  # (under vmap: ``partitioning.batched``)
+  return impl(query, key, value, *layout[1:], sink_weights, scales,
+              segments=layout[0] == "segments", padding_segment_id=padding_segment_id,
+              max_segments=max_segments, **static)
 
 
 def _check_arrays(query, key, value):

@@ -8,6 +8,8 @@ compiled program moves no Q, K, V or output between devices. Any other sharding 
 replicated, heads that do not divide evenly) is gathered and computed whole on every
 device: correct, not parallel. On one device the implementation is called directly, and
 inside ``shard_map`` (where each device already holds its shard) it is inlined unchanged.
+Under ``jax.vmap`` (custom_partitioning has no batching rule) it is called directly too:
+an entry point vmapped as it is (``batched``), not a ``jax.jit`` of it.
 
 Operands whose types carry a sharding over a mesh with Explicit axes (``jax.make_mesh``'s
 default) cannot go through custom_partitioning (a Pallas kernel's refs refuse sharded
@@ -84,7 +86,7 @@ def head_parallel(fn, operands, roles, out_roles, *, num_heads, num_kv_heads, **
   if explicit is not None:
     return _on_explicit_mesh(fn, treedef, leaves, leaf_roles, out_roles, explicit,
                              num_heads=num_heads, num_kv_heads=num_kv_heads, static=static)
-  if not _may_partition():
+  if not _may_partition() or batched(leaves):
     return fn(*operands, **static)
   if _abstract_devices() > 1:  # shard_map's per-device programs, an abstract mesh
     static = several_devices(static)
@@ -101,6 +103,14 @@ def output_struct(inputs, shape, dtype) -> jax.ShapeDtypeStruct:
   varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
   return jax.ShapeDtypeStruct(shape, dtype,
                               manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def batched(*operands) -> bool:
+  """Whether ``jax.vmap`` is batching any of the operands (their leaves are its tracers,
+  which carry a ``batch_dim``). custom_partitioning has no batching rule, so such a call
+  runs unpartitioned, and the entry points call their implementation outside their own
+  ``jax.jit`` (whose batching rule would batch a traced custom_partitioning)."""
+  return any(getattr(x, "batch_dim", None) is not None for x in jax.tree.leaves(operands))
 
 
 def _may_partition() -> bool:

@@ -70,8 +70,8 @@ def as_float32(x) -> float:
 def check_soft_cap(logits_soft_cap):
   if logits_soft_cap is None:
     return
-  if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap,
-                                                         (int, float, np.floating)):
+  if isinstance(logits_soft_cap, (bool, np.bool_)) or not isinstance(
+      logits_soft_cap, (int, float, np.integer, np.floating)):
     raise TypeError("logits_soft_cap must be a static Python float or None, got "
                     f"{type(logits_soft_cap).__name__}")
   cap = as_float32(logits_soft_cap)
@@ -91,8 +91,8 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
     raise TypeError(
         "mask must be one of pallas_prefill.masks.CausalMask(), NullMask(), "
         f"SlidingWindowCausalMask(window), ChunkedCausalMask(chunk); got {mask!r}")
-  if scale is not None and (
-      isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))):
+  if scale is not None and (isinstance(scale, (bool, np.bool_)) or not isinstance(
+      scale, (int, float, np.integer, np.floating))):
     raise TypeError(f"scale must be a finite Python float or None, got {scale!r}")
   if scale is not None and not math.isfinite(as_float32(scale)):
     raise ValueError(f"scale must be a finite Python float or None, got {scale!r} (it must "
@@ -117,7 +117,7 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
                                                    "MosaicConfig (Mosaic GPU)")
     raise TypeError(f"config must be {want} or None for backend={backend!r}, got "
                     f"{config!r}")
-  if interpret not in (None, True, False):
+  if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
     raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
   # interpret=None means interpret mode exactly on the CPU backend (dispatch.static_options).
   # A MosaicConfig picks the Mosaic GPU kernel under "auto" as well.
@@ -231,15 +231,37 @@ def validate_offsets(input_row_offsets, *, max_prompt_len, total_q,
 
   Raises:
     ValueError: the first offset is not 0, the offsets decrease, the last offset is past
-      the array, or a sequence has more than max_prompt_len queries. The message names the
-      offending sequence.
+      the array, a sequence has more than max_prompt_len queries (the message names the
+      offending sequence), or the two offsets' lengths differ.
+    TypeError: offsets that are not integers, or max_prompt_len, total_q or total_kv
+      that is not an int (total_kv missing with kv_input_row_offsets).
   """
+  for name, value in (("max_prompt_len", max_prompt_len), ("total_q", total_q)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+      raise TypeError(f"validate_offsets' {name} must be an int, got {value!r}")
+  if max_prompt_len <= 0:
+    raise ValueError(f"max_prompt_len must be > 0, got {max_prompt_len}")
+  _integer_offsets("input_row_offsets", input_row_offsets)
   _validate_one("input_row_offsets", input_row_offsets, total_q, max_prompt_len)
   if kv_input_row_offsets is not None:
     if total_kv is None:
       raise TypeError("validate_offsets needs total_kv, the rows of the K/V arrays, "
                       "to check kv_input_row_offsets")
+    if isinstance(total_kv, (bool, np.bool_)) or not isinstance(total_kv,
+                                                                (int, np.integer)):
+      raise TypeError(f"validate_offsets' total_kv must be an int, got {total_kv!r}")
+    _integer_offsets("kv_input_row_offsets", kv_input_row_offsets)
     _validate_one("kv_input_row_offsets", kv_input_row_offsets, total_kv)
+    if np.shape(kv_input_row_offsets) != np.shape(input_row_offsets):
+      raise ValueError(f"kv_input_row_offsets must have input_row_offsets' length, batch + "
+                       f"1 = {np.shape(input_row_offsets)[0]}, got "
+                       f"{np.shape(kv_input_row_offsets)[0]}")
+
+
+def _integer_offsets(name, offsets):
+  dtype = np.asarray(offsets).dtype
+  if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+    raise TypeError(f"{name} must hold integers, got {dtype}")
 
 
 def _validate_one(name, offsets, total, max_len=None):

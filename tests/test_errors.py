@@ -92,6 +92,8 @@ CALLS = [pytest.param(call_eager, id="eager"), pytest.param(call_under_jit, id="
                        output_dtype=jnp.float32, scale=0.25, interpret=True,
                        mask=masks.ChunkedCausalMask(8), config=pp.MhaConfig()), id="options"),
     pytest.param(valid(max_prompt_len=np.int32(MAX_PROMPT_LEN)), id="numpy_int_max_len"),
+    pytest.param(valid(scale=np.int32(1), logits_soft_cap=np.int64(30),
+                       interpret=np.bool_(True)), id="numpy_scalars"),
     pytest.param(valid(q=arr((ROWS, 8, 256)), k=arr((ROWS, 1, 256)), v=arr((ROWS, 1, 1))),
                  id="mqa_extreme_dims"),
 ])
@@ -269,6 +271,10 @@ STATIC_CASES = [
          r"GPU\) or None for backend='auto', got 'default'"),
     case("interpret_string", valid(interpret="yes"), TypeError,
          r"^interpret must be None, True or False, got 'yes'"),
+    case("interpret_float", valid(interpret=1.0), TypeError,
+         r"^interpret must be None, True or False, got 1.0"),
+    case("interpret_array", valid(interpret=np.array(True)), TypeError,
+         r"^interpret must be None, True or False, got array\(True\)"),
 ]
 
 
@@ -481,6 +487,32 @@ def test_validate_offsets_needs_total_kv_for_kv_offsets():
   with pytest.raises(TypeError, match=r"^validate_offsets needs total_kv"):
     pp.validate_offsets(np.asarray(OFFSETS, np.int32), max_prompt_len=MAX_PROMPT_LEN,
                         total_q=ROWS, kv_input_row_offsets=np.asarray(KV_OFFSETS, np.int32))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(input_row_offsets=np.array([0, 1.5, 3.9])), TypeError,
+     r"^input_row_offsets must hold integers, got float64"),
+    (dict(input_row_offsets=np.array([False, True])), TypeError,
+     r"^input_row_offsets must hold integers, got bool"),
+    (dict(kv_input_row_offsets=np.array([0, 2.0])), TypeError,
+     r"^kv_input_row_offsets must hold integers, got float64"),
+    (dict(kv_input_row_offsets=np.asarray(KV_OFFSETS[:-1], np.int32)), ValueError,
+     r"^kv_input_row_offsets must have input_row_offsets' length, batch \+ 1 = 5, got 4"),
+    (dict(max_prompt_len=None), TypeError, r"^validate_offsets' max_prompt_len must be an"),
+    (dict(max_prompt_len=2.5), TypeError, r"^validate_offsets' max_prompt_len must be an"),
+    (dict(max_prompt_len=0), ValueError, r"^max_prompt_len must be > 0, got 0"),
+    (dict(total_q=None), TypeError, r"^validate_offsets' total_q must be an int, got None"),
+    (dict(total_kv=float(ROWS)), TypeError, r"^validate_offsets' total_kv must be an int"),
+], ids=lambda x: str(x)[:40])
+def test_validate_offsets_checks_its_own_arguments(change, error, match):
+  """``validate_offsets`` called on its own holds its arguments to what the entry points
+  do: integer offsets of one batch, integer sizes."""
+  kwargs = dict(input_row_offsets=np.asarray(OFFSETS, np.int32),
+                max_prompt_len=MAX_PROMPT_LEN, total_q=ROWS,
+                kv_input_row_offsets=np.asarray(KV_OFFSETS, np.int32), total_kv=40)
+  pp.validate_offsets(**kwargs)
+  with pytest.raises(error, match=match):
+    pp.validate_offsets(**{**kwargs, **change})
 
 
 def test_concrete_q_offsets_are_checked_beside_traced_kv_offsets():

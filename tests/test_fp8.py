@@ -520,6 +520,31 @@ def test_quantized_q_scales_each_sequence_and_kv_head(offsets, rows, dtype, kind
     assert not np.asarray(q8[1][..., 32:].astype(jnp.float32)).any(), tag
 
 
+@pytest.mark.parametrize("dtype", [E4, jnp.float8_e5m2])
+def test_quantize_ignores_non_finite_values_and_checks_its_arguments(dtype):
+  """``fp8.quantize``: each head's scale is its finite values' absmax over the dtype's
+  largest value, whatever NaN or inf the head holds (they stay NaN, or inf in e5m2); no
+  rows give scales of 1; another rank or a dtype that is no FP8 format is refused."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = rng.standard_normal((9, 3, 16)).astype(np.float32)
+  clean = x.copy()
+  x[2, 0, 3], x[4, 1, 0] = np.nan, np.inf
+  x8, scale = pp.fp8.quantize(jnp.asarray(x), dtype)
+  want = np.abs(clean).max(axis=(0, 2)) / float(jnp.finfo(dtype).max)
+  np.testing.assert_allclose(np.asarray(scale), want, rtol=1e-6)
+  back = np.asarray(x8.astype(jnp.float32)) * np.asarray(scale)[None, :, None]
+  assert np.isnan(back[2, 0, 3]) and not np.isfinite(back[4, 1, 0])
+  finite = np.isfinite(x)
+  np.testing.assert_allclose(back[finite], x[finite], rtol=0.13, atol=1e-6 * want.max())
+  x8, scale = pp.fp8.quantize(jnp.zeros((0, 3, 16), jnp.bfloat16), dtype)
+  assert x8.shape == (0, 3, 16) and x8.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(scale), np.ones(3, np.float32))
+  with pytest.raises(ValueError, match=r"^x must have rank 3, got shape \(4, 8\)"):
+    pp.fp8.quantize(jnp.ones((4, 8)), dtype)
+  with pytest.raises(TypeError, match=r"^dtype must be float8_e4m3fn or float8_e5m2"):
+    pp.fp8.quantize(jnp.ones((4, 2, 8)), jnp.int8)
+
+
 def test_quantized_q_keeps_non_finite_values_to_their_rows():
   """A NaN and an inf in one row of sequence 1 (the rows past the last sequence all
   NaN): every scale is finite, the one of the finite values; that row is not finite, and

@@ -128,3 +128,34 @@ def test_other_shardings_give_the_right_answer(spec, explicit):
     # The kernel needs whole tokens and depths: these are gathered, which also shows that
     # the collective check above can see a collective.
     assert COLLECTIVE.search(fn.lower(*sharded).compile().as_text())
+
+
+@pytest.mark.parametrize("entry", ["mha", "mla", "padded"])
+def test_vmap_on_a_host_of_several_devices(entry):
+  """``jax.vmap`` over an entry point (custom_partitioning has no batching rule, so a
+  batched call runs unpartitioned: ``partitioning.batched``) on this host of 4 devices:
+  each batch element equals the call on it alone, with the offsets or lengths shared
+  (mha, mla) or batched too (padded)."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: jax.numpy.asarray(rng.standard_normal(shape), "float32")  # noqa: E731
+  kw = dict(interpret=True, backend="triton", config=CONFIG)
+  if entry == "padded":
+    q, k, v = x(2, 2, 24, 4, 16), x(2, 2, 24, 2, 16), x(2, 2, 24, 2, 16)
+    lengths = jax.numpy.asarray([[24, 5], [17, 0]], "int32")
+    def fn(q, k, v, n):
+      return pp.dot_product_attention(q, k, v, query_seq_lengths=n,
+                                      key_value_seq_lengths=n, is_causal=True, **kw)
+    batched, single = jax.vmap(fn)(q, k, v, lengths), [fn(q[i], k[i], v[i], lengths[i])
+                                                        for i in range(2)]
+  else:
+    off = jax.numpy.asarray([0, 7, 20], "int32")
+    if entry == "mha":
+      ops = (x(2, 20, 4, 16), x(2, 20, 2, 16), x(2, 20, 2, 16))
+      fn = lambda *a: pp.mha_prefill(*a, off, max_prompt_len=16, **kw)  # noqa: E731
+    else:
+      ops = (x(2, 20, 4, 24), x(2, 20, 4, 16), x(2, 20, 1, 8), x(2, 20, 4, 16))
+      fn = lambda *a: pp.mla_prefill(*a, off, max_prompt_len=16, **kw)  # noqa: E731
+    batched, single = jax.vmap(fn)(*ops), [fn(*(o[i] for o in ops)) for i in range(2)]
+  for i in range(2):
+    np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(single[i]), rtol=1e-5,
+                               atol=1e-5)
