@@ -76,19 +76,19 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       tuned default of the backend that runs, for the head dims and device.
     interpret: run the Pallas interpreter; None means exactly when the default backend is
       the CPU.
-    backend: "auto" (default): the Pallas Mosaic GPU kernel on a Hopper GPU (sm_90)
-      wherever it can serve the call, unless the tuned table for the device measured the
-      Triton kernel faster for the case; the Triton kernel on other GPUs, for what Mosaic
-      GPU refuses (float32 inputs; MHA at depth 256 with both a float32 output and the
-      LSE), in interpret mode (the CPU) and in programs over several devices (inside
-      ``shard_map`` or a mesh of several, or inputs sharded over several: the Mosaic GPU
-      kernel has not run on more than one GPU yet, so tensor-parallel calls get the Triton
-      kernel unless they ask for "mosaic_gpu"). "triton": the Pallas Triton kernel, any
-      NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel, bf16/f16
-      and e4m3 K/V, depths up to 256 (padded to a multiple of 64), packed, offset or
-      paged K/V; NotImplementedError says why a call it cannot serve is refused. A
-      ``MhaConfig`` with "auto" picks Triton, a ``MosaicConfig`` Mosaic GPU. Results agree to rounding; so do validation
-      and the handling of garbage offsets.
+    backend: "auto" (default, or None): the Pallas Mosaic GPU kernel on a Hopper GPU
+      (sm_90) wherever it can serve the call, unless the tuned table for the device
+      measured the Triton kernel faster for the case; the Triton kernel on other GPUs, for
+      what Mosaic GPU refuses (float32 inputs; MHA at depth 256 with both a float32 output
+      and the LSE), in interpret mode (the CPU) and in programs over several devices
+      (inside ``shard_map`` or a mesh of several, or inputs sharded over several: the
+      Mosaic GPU kernel has not run on more than one GPU yet, so tensor-parallel calls get
+      the Triton kernel unless they ask for "mosaic_gpu"). "triton": the Pallas Triton
+      kernel, any NVIDIA GPU and interpret mode. "mosaic_gpu": the Mosaic GPU kernel,
+      bf16/f16 and e4m3 K/V, depths up to 256 (padded to a multiple of 64), packed, offset
+      or paged K/V; NotImplementedError says why a call it cannot serve is refused. A
+      ``MhaConfig`` with "auto" picks Triton, a ``MosaicConfig`` Mosaic GPU. Results agree
+      to rounding; so do validation and the handling of garbage offsets.
 
   Head dims 16 to 256 that are powers of two run natively; others (80, 96, 192, ...) are
   zero-padded to the next power of two inside the wrapper. Softmax runs in float32. Output
@@ -115,6 +115,7 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       included) hold none: garbage ranges may reach rows past the last key, which valid
       calls never read.
   """
+  backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                  output_dtype=output_dtype, config=config, interpret=interpret,

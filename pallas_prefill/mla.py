@@ -74,9 +74,9 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     config: a ``MhaConfig`` (Triton) or ``MosaicConfig`` (Mosaic GPU); None picks the
       tuned default (DeepSeek-V3's 128 heads, 128 + 64, d_v 128 is the tuned case).
     interpret: None means interpret mode exactly when the default backend is the CPU.
-    backend: "auto" (default: Mosaic GPU on Hopper where it serves the call, Triton in
-      programs over several devices and elsewhere), "triton" or "mosaic_gpu", as in
-      ``mha_prefill``.
+    backend: "auto" (default, or None: Mosaic GPU on Hopper where it serves the call,
+      Triton in programs over several devices and elsewhere), "triton" or "mosaic_gpu",
+      as in ``mha_prefill``.
 
   Depths up to 256 each; powers of two (>= 16) run natively, others are zero-padded.
 
@@ -91,6 +91,7 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
     NotImplementedError: backend="mosaic_gpu" (or a MosaicConfig) for a call that kernel
       cannot serve (FP8 inputs included, as ``unsupported_reason`` says).
   """
+  backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,

@@ -27,6 +27,7 @@ from pallas_prefill import mha
 from pallas_prefill import partitioning
 from pallas_prefill import validation as val
 from pallas_prefill.constants import EMPTY_ROW_LSE
+from pallas_prefill.paged import PagedKV
 
 LENGTH_DTYPES = (jnp.int32, jnp.uint32)
 
@@ -328,6 +329,9 @@ def _check_arrays(query, key, value):
   """``dot_product_attention``'s static checks of its three arrays (ranks, dtypes, batch,
   lengths, heads and depths); returns (batch, T, S, num_heads, num_kv_heads, head_dim)."""
   for name, x in (("query", query), ("key", key), ("value", value)):
+    if isinstance(x, PagedKV):
+      raise TypeError(f"{name} must be a [batch, seq, heads, depth] array: a PagedKV "
+                      "cache goes to mha_prefill or mla_prefill")
     val.check_array(name, x, 4)
     val.check_float_dtype(name, x, fp8_ok=True)
   has_fp8 = any(fp8.is_fp8(x.dtype) for x in (query, key, value))

@@ -94,6 +94,7 @@ CALLS = [pytest.param(call_eager, id="eager"), pytest.param(call_under_jit, id="
     pytest.param(valid(max_prompt_len=np.int32(MAX_PROMPT_LEN)), id="numpy_int_max_len"),
     pytest.param(valid(scale=np.int32(1), logits_soft_cap=np.int64(30),
                        interpret=np.bool_(True)), id="numpy_scalars"),
+    pytest.param(valid(backend=None), id="backend_none"),
     pytest.param(valid(q=arr((ROWS, 8, 256)), k=arr((ROWS, 1, 256)), v=arr((ROWS, 1, 1))),
                  id="mqa_extreme_dims"),
 ])

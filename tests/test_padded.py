@@ -465,6 +465,9 @@ def _args(b=2, t=16, s=None, heads=4, kv_heads=2, depth=32, dtype=jnp.float32):
 
 ERRORS = [
     (dict(query=jnp.ones((16, 4, 32))), ValueError, "query must have rank 4"),
+    (dict(key=pp.PagedKV(jnp.ones((4, 16, 2, 32)), jnp.zeros((2, 2), jnp.int32),
+                         jnp.zeros((2,), jnp.int32))), TypeError,
+     r"^key must be a \[batch, seq, heads, depth\] array: a PagedKV cache goes to"),
     (dict(value=jnp.ones((2, 16, 2, 32), jnp.bfloat16)), TypeError, "share a dtype"),
     (dict(key=jnp.ones((3, 16, 2, 32))), ValueError, "batch"),
     (dict(key=jnp.ones((2, 16, 3, 32)), value=jnp.ones((2, 16, 3, 32))), ValueError,
