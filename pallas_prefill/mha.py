@@ -27,7 +27,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   ``q_len`` positions of the sequence: query i sits at position ``start_pos + i`` with
   ``start_pos = kv_len - q_len``, so a longer K/V range is a cached prefix and a shorter one
   (cross-attention) leaves the first queries seeing no key, which then output zeros.
-  Forward only: no gradient is defined (``jax.grad`` through it fails inside Pallas).
+  Forward only: no gradient is defined (``jax.grad``, ``jvp`` or ``linearize`` through it
+  raises NotImplementedError; inputs under ``jax.lax.stop_gradient`` pass).
 
   Args:
     q: [total_q, num_heads, head_dim], bfloat16, float16 or float32.
@@ -100,7 +101,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
     [total_q, num_heads] float32 when return_lse.
 
   Raises:
-    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
+    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve; an
+      operand being differentiated (the kernels are forward only).
     TypeError, ValueError: static problems (ranks, dtypes, head counts or dims, offsets'
       length, rank or dtype, max_prompt_len <= 0, an unknown mask, sink_weights' shape; a
       PagedKV page size that is not a power of two from 16 to 256, a bad block table,
@@ -115,6 +117,9 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       included) hold none: garbage ranges may reach rows past the last key, which valid
       calls never read.
   """
+  val.check_forward_only("mha_prefill", dict(q=q, k=k, v=v, sink_weights=sink_weights,
+                                             q_scale=q_scale, k_scale=k_scale,
+                                             v_scale=v_scale))
   backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,

@@ -89,8 +89,12 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
       mixed K/V dtypes, an FP8 q over wider K/V, and missing, misshapen or non-float32
       scales (or scales without FP8 inputs).
     NotImplementedError: backend="mosaic_gpu" (or a MosaicConfig) for a call that kernel
-      cannot serve (FP8 inputs included, as ``unsupported_reason`` says).
+      cannot serve (FP8 inputs included, as ``unsupported_reason`` says); an operand
+      being differentiated (forward only).
   """
+  val.check_forward_only("mla_prefill", dict(q=q, k_nope=k_nope, k_rope=k_rope, v=v,
+                                             q_scale=q_scale, k_scale=k_scale,
+                                             v_scale=v_scale))
   backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,

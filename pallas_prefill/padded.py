@@ -290,8 +290,12 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       and > 0; more than 65535 sequences in all (batch * (2 * max_segments + 1), a
       launch grid's limit). Under jit nothing checks values: lengths and runs are
       clamped, so garbage gives garbage rows but no access outside the arrays or NaN.
-    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve.
+    NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve; an
+      operand being differentiated (the kernels are forward only).
   """
+  val.check_forward_only("dot_product_attention", dict(
+      query=query, key=key, value=value, sink_weights=sink_weights, q_scale=q_scale,
+      k_scale=k_scale, v_scale=v_scale))
   batch, t, s, num_heads, num_kv_heads, head_dim = _check_arrays(query, key, value)
   scales = fp8.scales(query, key, value, q_scale, k_scale, v_scale, batch=batch,
                       num_kv_heads=num_kv_heads, names=("query", "key", "value"))

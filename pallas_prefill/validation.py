@@ -80,6 +80,18 @@ def check_soft_cap(logits_soft_cap):
                      f"(logits become cap * tanh(logits / cap)), got {logits_soft_cap!r}")
 
 
+def check_forward_only(entry: str, operands: dict):
+  """NotImplementedError where ``jax.grad``, ``jvp`` or ``linearize`` differentiates an
+  operand ({name: array, PagedKV or None}; their tracers carry a ``tangent``): the
+  kernels define no gradient, and Pallas' own error there says nothing of why."""
+  for name, x in operands.items():
+    if any(getattr(leaf, "tangent", None) is not None for leaf in jax.tree.leaves(x)):
+      raise NotImplementedError(
+          f"{entry} is forward only (inference prefill): it defines no gradient, and "
+          f"{name} is being differentiated (jax.grad, jvp or linearize); pass "
+          "jax.lax.stop_gradient of the inputs where no gradient should flow through it")
+
+
 def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpret,
                   backend="auto", logits_soft_cap=None):
   if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):

@@ -142,6 +142,47 @@ def test_an_empty_batch_gives_zeros(kind, total_q):
     np.testing.assert_array_equal(np.asarray(want_lse), np.asarray(lse))
 
 
+@pytest.mark.parametrize("entry", ["mha", "mla", "padded"])
+def test_differentiating_an_entry_point_says_it_is_forward_only(entry):
+  """jax.grad (eager and under jit), jvp and a gradient through sinks alone raise a
+  NotImplementedError that says why; inputs under stop_gradient pass, and the call then
+  gives the same output as without differentiation."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  off = jnp.asarray([0, 7, 20], jnp.int32)
+  if entry == "mha":
+    k, v = x(20, 2, 16), x(20, 2, 16)
+    q = x(20, 4, 16)
+    call = lambda q, s=None: pp.mha_prefill(q, k, v, off, max_prompt_len=16,  # noqa: E731
+                                            sink_weights=s)
+  elif entry == "mla":
+    kn, kr, v = x(20, 4, 16), x(20, 1, 8), x(20, 4, 16)
+    q = x(20, 4, 24)
+    call = lambda q, s=None: pp.mla_prefill(  # noqa: E731
+        q, kn, kr, v, off, max_prompt_len=16)
+  else:
+    k, v = x(2, 10, 2, 16), x(2, 10, 2, 16)
+    q, n = x(2, 10, 4, 16), jnp.asarray([10, 3], jnp.int32)
+    call = lambda q, s=None: pp.dot_product_attention(  # noqa: E731
+        q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
+        sink_weights=s)
+  name = {"mha": "mha_prefill", "mla": "mla_prefill", "padded": "dot_product_attention"}
+  match = rf"^{name[entry]} is forward only .* (q|query) is being differentiated"
+  loss = lambda q: call(q).sum()  # noqa: E731
+  for differentiate in (jax.grad(loss), jax.jit(jax.grad(loss)),
+                        lambda q: jax.jvp(loss, (q,), (q,))):
+    with pytest.raises(NotImplementedError, match=match):
+      differentiate(q)
+  if entry != "mla":
+    with pytest.raises(NotImplementedError, match=r"sink_weights is being differentiated"):
+      jax.grad(lambda s: call(q, s).sum())(x(4))
+  out = call(q)
+  got, grad = jax.value_and_grad(
+      lambda q: (call(jax.lax.stop_gradient(q)) ** 2).sum() + q.sum())(q)
+  np.testing.assert_allclose(float(got), float((out ** 2).sum() + q.sum()), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(grad), np.ones(q.shape, np.float32))
+
+
 def test_batch_beyond_the_launch_grid_is_refused():
   total = 65536
   q = jnp.zeros((total, 1, 16), jnp.bfloat16)
