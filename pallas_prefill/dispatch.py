@@ -203,4 +203,4 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
       return_lse=bool(return_lse), config=config,
       interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret),
-      backend=backend)
+      backend="auto" if backend is None else backend)

@@ -120,7 +120,6 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   val.check_forward_only("mha_prefill", dict(q=q, k=k, v=v, sink_weights=sink_weights,
                                              q_scale=q_scale, k_scale=k_scale,
                                              v_scale=v_scale))
-  backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k": k, "v": v}, input_row_offsets, kv_input_row_offsets,
                  max_prompt_len=max_prompt_len, mask=mask, scale=scale,
                  output_dtype=output_dtype, config=config, interpret=interpret,
@@ -141,9 +140,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                       batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  impl = jitted_mha_prefill
-  if partitioning.batched(q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights):
-    impl = jitted_mha_prefill.__wrapped__  # (under vmap: ``partitioning.batched``)
+  impl = partitioning.implementation(jitted_mha_prefill, q, k, v, input_row_offsets,
+                                     kv_input_row_offsets, sink_weights)
   return impl(
       q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
       **dispatch.static_options(

@@ -95,7 +95,6 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   val.check_forward_only("mla_prefill", dict(q=q, k_nope=k_nope, k_rope=k_rope, v=v,
                                              q_scale=q_scale, k_scale=k_scale,
                                              v_scale=v_scale))
-  backend = "auto" if backend is None else backend  # (as dot_product_attention's)
   val.check_call(q, {"k_nope": k_nope, "k_rope": k_rope, "v": v}, input_row_offsets,
                  kv_input_row_offsets, max_prompt_len=max_prompt_len, mask=mask,
                  scale=scale, output_dtype=output_dtype, config=config,
@@ -123,9 +122,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                       names=("q", "k_nope", "v"))
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  impl = jitted_mla_prefill
-  if partitioning.batched(q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets):
-    impl = jitted_mla_prefill.__wrapped__  # (under vmap: ``partitioning.batched``)
+  impl = partitioning.implementation(jitted_mla_prefill, q, k_nope, k_rope, v,
+                                     input_row_offsets, kv_input_row_offsets)
   return impl(
       q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales,
       **dispatch.static_options(

@@ -302,7 +302,6 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(query.dtype)
   mask = window_mask(is_causal, local_window_size)
-  backend = "auto" if backend is None else backend
   val.check_sink_weights(sink_weights, num_heads)
   layout, max_segments = _sequences(
       query_seq_lengths, key_value_seq_lengths, segment_ids, padding_segment_id,
@@ -321,9 +320,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
       output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
       backend=backend, logits_soft_cap=logits_soft_cap)
-  impl = _padded_attention
-  if partitioning.batched(query, key, value, *layout[1:], sink_weights):
-    impl = _padded_attention.__wrapped__  # (under vmap: ``partitioning.batched``)
+  impl = partitioning.implementation(_padded_attention, query, key, value, *layout[1:],
+                                     sink_weights)
   return impl(query, key, value, *layout[1:], sink_weights, scales,
               segments=layout[0] == "segments", padding_segment_id=padding_segment_id,
               max_segments=max_segments, **static)

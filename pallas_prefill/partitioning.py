@@ -113,6 +113,12 @@ def batched(*operands) -> bool:
   return any(getattr(x, "batch_dim", None) is not None for x in jax.tree.leaves(operands))
 
 
+def implementation(jitted, *operands):
+  """An entry point's jitted implementation for these operands: under ``jax.vmap``
+  (``batched``) the function it wraps, so that the batched call runs unpartitioned."""
+  return jitted.__wrapped__ if batched(*operands) else jitted
+
+
 def _may_partition() -> bool:
   """Whether the program being traced can span several devices. A single-device program
   (and ahead-of-time lowering for one abstract device, where custom_partitioning cannot

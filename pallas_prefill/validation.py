@@ -118,6 +118,7 @@ def check_options(*, max_prompt_len, mask, scale, output_dtype, config, interpre
       raise TypeError("output_dtype must be bfloat16, float16, float32 or None, got "
                       f"{getattr(output_dtype, '__name__', output_dtype)}")
   check_soft_cap(logits_soft_cap)
+  backend = "auto" if backend is None else backend  # (None: "auto", as static_options)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
                      f"{backend!r}")
