@@ -185,6 +185,25 @@ def _dynamic_order(ops, cost, scan_buf, *, num_heads, group, num_programs):
   return jnp.where(schedule.head_major_wins(*ends), 1, 0)
 
 
+def _bitonic_sort(ops, v, sort_buf, i, n_items):
+  """The lanes' values `v` (one per lane i < n_items, a power of two) sorted ascending
+  across lanes, through `sort_buf` (overwritten)."""
+  k = 2
+  while k <= n_items:
+    j = k // 2
+    while j >= 1:
+      ops.scatter(sort_buf, i, v)
+      ops.sync()
+      low = lax.rem(lax.div(i, j), 2) == 0  # the pair's lower lane
+      other = ops.gather(sort_buf, jnp.where(low, i + j, i - j))
+      ops.sync()
+      ascending = lax.rem(lax.div(i, k), 2) == 0
+      v = jnp.where(low == ascending, jnp.minimum(v, other), jnp.maximum(v, other))
+      j //= 2
+    k *= 2
+  return v
+
+
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
             top_left, interpret, kv_align, seq_column, keyless_apart, wgs):
@@ -261,20 +280,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     # (key, item) packed as key * n_items + item, key = bound - tiles or bound + 1.
     bound = total_kv_tiles_bound(total_kv, paged_cap, block_kv)
     v = jnp.where(stores, bound - (hi - lo), bound + 1) * n_items + i
-    k = 2
-    while k <= n_items:
-      j = k // 2
-      while j >= 1:
-        ops.scatter(sort_buf, i, v)
-        ops.sync()
-        low = lax.rem(lax.div(i, j), 2) == 0  # the pair's lower lane
-        other = ops.gather(sort_buf, jnp.where(low, i + j, i - j))
-        ops.sync()
-        ascending = lax.rem(lax.div(i, k), 2) == 0
-        v = jnp.where(low == ascending, jnp.minimum(v, other), jnp.maximum(v, other))
-        j //= 2
-      k *= 2
-    order = lax.rem(v, n_items)
+    order = lax.rem(_bitonic_sort(ops, v, sort_buf, i, n_items), n_items)
     ops.sync()
     sorted_cols = [ops.gather(col_bufs, c * n_items + order) for c in range(n_cols)]
     for c, x in enumerate(sorted_cols):
