@@ -51,8 +51,8 @@ class MhaConfig:
 # ``MosaicOptions.keyless_units``, and those whose key-less items are zero jobs of the
 # keyed units (no units of their own where any item is keyed; the wrapper fills in their
 # rows' LSE)
-KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans")
-ZERO_JOB_UNITS = ("stores", "spans")
+KEYLESS_UNITS = ("first", "spread", "per_head", "stores", "spans", "bulk")
+ZERO_JOB_UNITS = ("stores", "spans", "bulk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,11 @@ class MosaicOptions:
       (``kernel.zero_span``: 16 KB a warpgroup in one piece) instead of one head's rows
       (256-byte pieces a row's heads apart): on the H100 1.020x-1.033x "stores" on
       padded MHA short64, 0.96x-1.00x on skew16_16k (forty-fifth and forty-sixth
-      sessions). "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks
+      sessions). "bulk": the jobs of "spans", each copied by the TMA unit from a
+      buffer of zeros in shared memory (``primitives.copy_zero_slices``: one
+      ``cp.async.bulk`` per 8 KB from one thread, instead of 128 threads' vector stores),
+      so that the compute warpgroups issue a few instructions a job and wait for none
+      (forty-seventh session). "first" in a ``MosaicOptions()`` made by hand; ``config=None`` picks
       "spans" for ``dot_product_attention`` up to ``COLUMN_MASK_MAX_PROMPT`` and "stores"
       above (``default_mosaic_config``'s ``padded``).
     batch_invariant: KV tile i of a sequence starts at its first key plus i * block_kv,

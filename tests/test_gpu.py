@@ -541,8 +541,9 @@ def test_padded_keyless_stores(case, units):
   """``MosaicOptions(keyless_units="stores")`` on the padded layouts: the padding rows'
   zeros as jobs of the keyed units, by plain stores, their LSE from the wrapper ("spans":
   each job a contiguous run of an item's rows across heads; the default's choices, for
-  long and short prompts, on its tiles without its register and mask options). The
-  results stay exact and every padding row zero."""
+  long and short prompts, on its tiles without its register and mask options; "bulk":
+  those runs copied by the TMA unit from zeros in shared memory). The results stay exact
+  and every padding row zero."""
   config = pp.MosaicConfig(options=pp.MosaicOptions(keyless_units=units))
   poison_device_memory()
   test_padded.check_padded(case, interpret=False, backend="mosaic_gpu", config=config)
@@ -558,7 +559,7 @@ _LARGE_PADDED = PADDED_GPU_CASES[len(test_padded.PADDED_CASES):]
                          ids=lambda c: c.name)
 @pytest.mark.parametrize("units", pp.config.ZERO_JOB_UNITS)
 def test_padded_keyless_stores_three_wgs(case, units):
-  """Zero jobs ("stores", "spans") with three compute warpgroups
+  """Zero jobs ("stores", "spans", "bulk") with three compute warpgroups
   (``default_mosaic_config``'s register cuts): each warpgroup stores its third of a
   key-less item's rows. Exact, and every padding row zero (all rows padding: the
   key-less units run)."""

@@ -219,10 +219,11 @@ def emulate(case: cases.Case, args, kwargs, config: pp.MosaicConfig):
       written[row + first:row + first + n_rows, h] += 1
       lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), constants.EMPTY_ROW_LSE)
       lse_buf[h, (w * wgs + g) * bq:(w * wgs + g + 1) * bq] = lse
-      # keyless_units "stores" and "spans": the unit's zero jobs, after its epilogue
+      # keyless_units "stores", "spans" and "bulk": the unit's zero jobs, after its
+      # epilogue
       for hj, wj in jobs:
         meta = lambda col, wj=wj: table[wj, col]  # noqa: E731
-        if keyless == "spans":  # head slices of the item's rows, all heads
+        if keyless in ("spans", "bulk"):  # head slices of the item's rows, all heads
           row, first, n = (int(x) for x in mosaic_kernel.zero_span(
               meta, hj, g, wgs=wgs, block_q=bq, num_heads=heads, total_rows=total_q))
           assert 0 <= n <= bq and (n == 0 or (row * heads + first + n <= total_q * heads
@@ -1155,6 +1156,11 @@ LOWERED = [
             config=pp.MosaicConfig(options=pp.MosaicOptions(keyless_units="spans"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(keyless_units="spans", dynamic=False))),
+    # keyless_units="bulk": those jobs copied by the TMA unit from a buffer of zeros
+    Lowered(total_q=1001, sink=True, lse=True, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(keyless_units="bulk"))),
+    Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
+        block_kv=64, options=pp.MosaicOptions(keyless_units="bulk", dynamic=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

@@ -368,15 +368,17 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
   default (a unit per key-less item for all heads, first: ``keyless_units``), those
   units spread among the others, a unit per (head, item) that skips its Q loads, one
   that loads Q like the others (``skip_keyless_q=False``), and zero jobs of the keyed
-  units stored without TMA ("stores", and as contiguous runs of rows: "spans"): each
-  kernel lowers for an H200, and no two are the same."""
+  units stored without TMA ("stores", and as contiguous runs of rows: "spans"), or
+  copied by the TMA unit from a buffer of zeros ("bulk"): each kernel lowers for an
+  H200, and no two are the same."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   texts = []
   for options in (pp.MosaicOptions(), pp.MosaicOptions(keyless_units="spread"),
                   pp.MosaicOptions(keyless_units="per_head"),
                   pp.MosaicOptions(keyless_units="per_head", skip_keyless_q=False),
                   pp.MosaicOptions(keyless_units="stores"),
-                  pp.MosaicOptions(keyless_units="spans")):
+                  pp.MosaicOptions(keyless_units="spans"),
+                  pp.MosaicOptions(keyless_units="bulk")):
     from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
     s = jax.ShapeDtypeStruct
     q = s((4, 512, 8, 128), jnp.bfloat16)
@@ -387,8 +389,10 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
         config=config, interpret=False)
     module = lower_for_h200(fn, q, kv, kv, s((4,), jnp.int32)).compiler_ir()
     texts.append(lowered.kernel_texts(module)[-1])
-  assert len(set(texts)) == 6
-  assert all("st.global.cs" in t for t in texts[-2:]) and "st.global.cs" not in texts[0]
+  assert len(set(texts)) == 7
+  assert all("st.global.cs" in t for t in texts[-3:-1]) and "st.global.cs" not in texts[0]
+  bulk = "cp.async.bulk.global.shared::cta.bulk_group"
+  assert bulk in texts[-1] and "st.global.cs" not in texts[-1] and bulk not in texts[-2]
 
 
 # short prompts (two compute warpgroups), long, longest (three)

@@ -222,6 +222,12 @@ class KernelSpec:
     return self.keyless_units in ZERO_JOB_UNITS
 
   @property
+  def zero_bulk(self) -> bool:
+    """Zero jobs copied by the TMA unit from a buffer of zeros (``keyless_units="bulk"``,
+    ``Scratch.zeros``), each a contiguous span of an item's rows as "spans"' are."""
+    return self.keyless_units == "bulk"
+
+  @property
   def chunks(self):
     return L.column_chunks(self.parts)
 
@@ -330,7 +336,7 @@ def scratch_for(spec: KernelSpec) -> smem.Scratch:
       block_q=spec.block_q, block_kv=spec.block_kv, num_stages=spec.num_stages,
       split=spec.split, dynamic=spec.dynamic, pages=spec.pages,
       paged=spec.page_size is not None, one_v_copy=spec.kv_unit == 1,
-      p_smem=not spec.p_registers, wgs=spec.wgs)
+      p_smem=not spec.p_registers, wgs=spec.wgs, zero_buffer=spec.zero_bulk)
 
 
 def attention_kernel(meta_ref, scalar_ref, *refs, spec: KernelSpec):
@@ -578,6 +584,10 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
              p=scratch.p.at[wg] if scratch.p is not None else None)
 
   skip_keyless = spec.skip_keyless_q or spec.keyless_apart
+  zeros = scratch.zeros.at[wg] if spec.zero_bulk else None
+  if spec.zero_bulk:  # written once, read by the TMA unit (``store_zero_jobs``)
+    primitives.fill_zeros(zeros)
+    plgpu.commit_smem()
 
   def load_q(hw):
     """TMA of unit hw's Q rows of this warpgroup (the Q buffer must be free); none for a
@@ -630,7 +640,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
     pl.when(has_next)(lambda: load_q(next_hw))
     epilogue(spec, refs, item, carry, own["o"], own["lse"])
     if spec.zero_stores:
-      store_zero_jobs(spec, refs, units, wg, u)
+      store_zero_jobs(spec, refs, units, wg, u, zeros)
     return base + item.item_hi - item.item_lo
 
   units.for_each_unit(run, load_q, units.take)
@@ -1006,13 +1016,16 @@ def store_zeros(spec, refs, item: Item, o_smem, lse_smem):
       store_rows(spec, refs, item, o_smem, g, h=h)
 
 
-def store_zero_jobs(spec, refs, units: Units, wg, u):
+def store_zero_jobs(spec, refs, units: Units, wg, u, zeros=None):
   """``KernelSpec.zero_stores``: unit u's zero jobs (``schedule.zero_jobs``; none for a
   key-less unit, which runs only where no unit has KV tiles): for each, zeros into this
   warpgroup's rows of the job's key-less item on the job's head, by plain stores
-  (``primitives.store_zero_rows``) that stay in flight while the next unit computes.
-  (Reading the first four jobs' rows before the epilogue, all at once, lost on the H200:
-  BUILD_NOTES.md, thirty-seventh session.)"""
+  (``primitives.store_zero_rows``) that stay in flight while the next unit computes;
+  "spans" and "bulk": this warpgroup's span of the item's rows across heads
+  (``zero_span``), "bulk" copied by the TMA unit from ``zeros`` (this warpgroup's
+  ``Scratch.zeros``; ``primitives.copy_zero_slices``). (Reading the first four jobs' rows
+  before the epilogue, all at once, lost on the H200: BUILD_NOTES.md, thirty-seventh
+  session.)"""
   count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,
                             n_keyless=units.n_keyless)
 
@@ -1020,10 +1033,13 @@ def store_zero_jobs(spec, refs, units: Units, wg, u):
   def _job(m):
     h, w = zero_job(u + m * stride, num_heads=spec.num_heads, n_keyed=units.n_keyed)
     meta = lambda col: refs.meta[w, col]  # noqa: E731
-    if spec.keyless_units == "spans":
+    if spec.keyless_units in ("spans", "bulk"):
       row, first, n = zero_span(meta, h, wg, wgs=spec.wgs, block_q=spec.block_q,
                                 num_heads=spec.num_heads, total_rows=refs.o.shape[0])
-      primitives.store_zero_slices(refs.o, row, first, n, max_slices=spec.block_q)
+      if spec.zero_bulk:
+        primitives.copy_zero_slices(refs.o, zeros, row, first, n, max_slices=spec.block_q)
+      else:
+        primitives.store_zero_slices(refs.o, row, first, n, max_slices=spec.block_q)
     else:
       start, n = zero_rows(meta, wg, spec.block_q, refs.o.shape[0])
       primitives.store_zero_rows(refs.o, start, n, h, max_rows=spec.block_q)

@@ -1,7 +1,8 @@
 """Mosaic GPU primitives the kernel needs that Pallas does not expose: PTX named barriers
 with a traced id, a fused multiply-add before ``ex2.approx``, the atomic claim of the next
-unit, the two-copy TMA of a row range whose last 8 rows may come from elsewhere, and zeros
-stored without TMA (``store_zero_rows``)."""
+unit, the two-copy TMA of a row range whose last 8 rows may come from elsewhere, zeros
+stored without TMA (``store_zero_rows``) and zeros copied by the TMA unit from a buffer
+of zeros without a tensor map (``copy_zero_slices``)."""
 
 from __future__ import annotations
 
@@ -318,6 +319,83 @@ def store_zero_slices(o_ref, row, first, n, *, max_slices: int):
 
   _store_zeros(o_ref, (row, first, n), max_rows=max_slices, addresses=addresses,
                name="store_zero_slices")
+
+
+# ``copy_zero_slices``' copy: $2 bytes (a multiple of 16, none where not positive) from
+# shared address $1 to global address $0 (both 16-byte aligned) by the TMA unit, in the
+# thread's current bulk group.
+_ZERO_BULK_PTX = """{
+  .reg .pred p;
+  .reg .b64 a;
+  setp.gt.s32 p, $2, 0;
+  cvta.to.global.u64 a, $0;
+  @p cp.async.bulk.global.shared::cta.bulk_group [a], [$1], $2;
+}"""
+
+
+def fill_zeros(smem_ref):
+  """Zeros into ``smem_ref`` (shared memory, untransformed, a multiple of 2 KB) by the
+  warpgroup's 128 threads, 16 bytes a store; ``plgpu.commit_smem()`` after it makes them
+  visible to the TMA unit (``copy_zero_slices``)."""
+  size = int(np.prod(smem_ref.shape)) * jnp.dtype(smem_ref.dtype).itemsize
+  if size % (16 * 128):
+    raise ValueError(f"fill_zeros: {size} bytes are not whole 16-byte stores per thread")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def fill(_, z):
+    i32 = ir.IntegerType.get_signless(32)
+    tid = arith.remui(mgpu.utils.thread_idx(), arith.constant(i32, 128))
+    base = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(z)),
+                      arith.muli(tid, arith.constant(i32, 16)))
+    zero = arith.constant(i32, 0)
+    void = ir.Type.parse("!llvm.void")
+    for m in range(size // (16 * 128)):
+      llvm.inline_asm(void, [arith.addi(base, arith.constant(i32, 16 * 128 * m)), zero],
+                      "st.shared.v4.b32 [$0], {$1, $1, $1, $1};", "r,r",
+                      has_side_effects=True)
+
+  fill(smem_ref)
+
+
+def copy_zero_slices(o_ref, zeros_smem, row, first, n, *, max_slices: int):
+  """``store_zero_slices``' zeros (head slices [first, first + n) from row ``row``'s first
+  of ``o_ref``, one contiguous run of bytes; 0 <= n <= max_slices) copied by the TMA unit
+  from ``zeros_smem`` (zeros in shared memory, fenced for the async proxy: any shape),
+  one ``cp.async.bulk`` of at most its size at a time, issued by one thread of the
+  warpgroup and committed as one bulk group (``MosaicOptions.keyless_units="bulk"``).
+  Nothing waits for them here: the buffer never changes, and the kernel's last
+  ``wait_smem_to_gmem`` waits for every group before the block ends."""
+  _, heads, depth = o_ref.shape
+  row_bytes = depth * jnp.dtype(o_ref.dtype).itemsize
+  zero_bytes = int(np.prod(zeros_smem.shape)) * jnp.dtype(zeros_smem.dtype).itemsize
+  if row_bytes % 16 or zero_bytes % 16:
+    raise ValueError(f"copy_zero_slices: rows of {row_bytes} bytes or a buffer of "
+                     f"{zero_bytes} bytes are not whole 16-byte pieces")
+  copies = -(-max_slices * row_bytes // zero_bytes)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType())
+                     + (plgpu.Layout.WG_SPLAT,) * 3)
+  def zeros(_, o, z, row, first, n):
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    row, first, n = (x.registers[()] for x in (row, first, n))
+    void = ir.Type.parse("!llvm.void")
+    with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+      src = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(z))
+      start = arith.addi(
+          llvm.ptrtoint(i64, mgpu.utils.memref_ptr(o)),
+          arith.muli(arith.extsi(i64, arith.addi(
+              arith.muli(row, arith.constant(i32, heads)), first)),
+                     arith.constant(i64, row_bytes)))
+      total = arith.muli(n, arith.constant(i32, row_bytes))
+      for c in range(copies):
+        offset = c * zero_bytes
+        size = arith.minsi(arith.subi(total, arith.constant(i32, offset)),
+                           arith.constant(i32, zero_bytes))
+        llvm.inline_asm(void, [arith.addi(start, arith.constant(i64, offset)), src, size],
+                        _ZERO_BULK_PTX, "l,r,r", has_side_effects=True)
+      llvm.inline_asm(void, [], "cp.async.bulk.commit_group;", "", has_side_effects=True)
+
+  zeros(o_ref, zeros_smem, *(jnp.asarray(v, jnp.int32) for v in (row, first, n)))
 
 
 def load_rows(src, tail, rows, start, dst, barrier, *, tail_group):

@@ -27,8 +27,8 @@ BARRIER_BYTES = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[], data_fields=[
-    "q", "k", "v", "p", "o", "lse", "units", "q_loaded", "k_loaded", "v_loaded", "k_consumed",
-    "v_consumed", "unit_ready", "unit_used"])
+    "q", "k", "v", "p", "o", "zeros", "lse", "units", "q_loaded", "k_loaded", "v_loaded",
+    "k_consumed", "v_consumed", "unit_ready", "unit_used"])
 @dataclasses.dataclass(frozen=True)
 class Scratch:
   """The kernel's shared memory and barriers, by name: allocation specs before
@@ -47,6 +47,9 @@ class Scratch:
     p: FP8 only (else None, and None where P stays in registers): P quantized,
       [wgs, block_q, block_kv], P.V's A operand from shared memory.
     o: ``out_buffers`` output buffers [wgs, block_q, 64] of the output dtype.
+    zeros: [wgs, block_q, 64] of the output dtype, zeros that each compute warpgroup
+      writes once and the TMA unit copies to key-less rows
+      (``MosaicOptions.keyless_units="bulk"``), or None.
     lse: [wgs, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
     q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
@@ -58,6 +61,7 @@ class Scratch:
   v: list
   p: object
   o: list
+  zeros: object
   lse: object
   units: object
   q_loaded: object
@@ -72,13 +76,14 @@ class Scratch:
 def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, has_lse: bool,
             block_q: int, block_kv: int, num_stages: int, split: bool, dynamic: bool,
             pages: int, paged: bool, one_v_copy: bool = False, p_smem: bool = True,
-            wgs: int = L.COMPUTE_WGS) -> Scratch:
+            wgs: int = L.COMPUTE_WGS, zero_buffer: bool = False) -> Scratch:
   """The allocation specs of the kernel's scratch (``Scratch``): ``chunks`` 64-column
   chunks of Q and K, ``v_chunks`` of V; paged K/V tiles come from ``pages`` pages each;
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
   ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
   P goes through shared memory (False: from registers, no buffer); ``wgs``: the compute
-  warpgroups (2 with ``split``)."""
+  warpgroups (2 with ``split``); ``zero_buffer``: a buffer of zeros per compute warpgroup
+  (``Scratch.zeros``)."""
   lanes = wgs if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else wgs  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -111,6 +116,7 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       v=[chunk_buffer(v_shape) for _ in range(v_chunks)],
       p=tiled((wgs, block_q, block_kv)) if fp8 and p_smem else None,
       o=[plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
+      zeros=plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) if zero_buffer else None,
       lse=plgpu.SMEM((wgs, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=wgs),
@@ -159,7 +165,8 @@ def _config_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: Mosai
       out_dtype=output_dtype, out_buffers=out_buffers, has_lse=return_lse,
       block_q=config.block_q, block_kv=config.block_kv, num_stages=config.num_stages,
       split=splits(config), dynamic=config.options.dynamic, pages=1, paged=False,
-      p_smem=not config.options.fp8_p_registers, wgs=config.compute_wgs))
+      p_smem=not config.options.fp8_p_registers, wgs=config.compute_wgs,
+      zero_buffer=config.options.keyless_units == "bulk" and not splits(config)))
 
 
 def _plan(parts, v_depth, dtype, output_dtype, return_lse,
