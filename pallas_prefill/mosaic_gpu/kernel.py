@@ -584,7 +584,7 @@ def compute_warpgroup(spec: KernelSpec, refs: Refs, scratch: smem.Scratch, units
              p=scratch.p.at[wg] if scratch.p is not None else None)
 
   skip_keyless = spec.skip_keyless_q or spec.keyless_apart
-  zeros = scratch.zeros.at[wg] if spec.zero_bulk else None
+  zeros = scratch.zeros
   if spec.zero_bulk:  # written once, read by the TMA unit (``store_zero_jobs``)
     primitives.fill_zeros(zeros)
     plgpu.commit_smem()
@@ -1022,8 +1022,8 @@ def store_zero_jobs(spec, refs, units: Units, wg, u, zeros=None):
   warpgroup's rows of the job's key-less item on the job's head, by plain stores
   (``primitives.store_zero_rows``) that stay in flight while the next unit computes;
   "spans" and "bulk": this warpgroup's span of the item's rows across heads
-  (``zero_span``), "bulk" copied by the TMA unit from ``zeros`` (this warpgroup's
-  ``Scratch.zeros``; ``primitives.copy_zero_slices``). (Reading the first four jobs' rows
+  (``zero_span``), "bulk" copied by the TMA unit from ``zeros`` (``Scratch.zeros``;
+  ``primitives.copy_zero_slices``). (Reading the first four jobs' rows
   before the epilogue, all at once, lost on the H200: BUILD_NOTES.md, thirty-seventh
   session.)"""
   count, stride = zero_jobs(u, num_heads=spec.num_heads, n_keyed=units.n_keyed,

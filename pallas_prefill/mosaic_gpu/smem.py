@@ -47,9 +47,9 @@ class Scratch:
     p: FP8 only (else None, and None where P stays in registers): P quantized,
       [wgs, block_q, block_kv], P.V's A operand from shared memory.
     o: ``out_buffers`` output buffers [wgs, block_q, 64] of the output dtype.
-    zeros: [wgs, block_q, 64] of the output dtype, zeros that each compute warpgroup
-      writes once and the TMA unit copies to key-less rows
-      (``MosaicOptions.keyless_units="bulk"``), or None.
+    zeros: [block_q, 64] of the output dtype, zeros that every compute warpgroup writes
+      once (the same bytes, so no order among them matters) and the TMA unit copies to
+      key-less rows (``MosaicOptions.keyless_units="bulk"``), or None.
     lse: [wgs, block_q] float32, or None without the LSE.
     units: the claimed units' slots [2 * lanes] int32, or None (static deal).
     q_loaded .. v_consumed: per warpgroup (Q) or per K/V slot, the TMA and release
@@ -82,8 +82,7 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
   ``one_v_copy``: a contiguous V tile is one copy per chunk (batch-invariant tiles,
   ``kernel.load_v_tile_invariant``), not two (``primitives.load_rows``); ``p_smem``: FP8's
   P goes through shared memory (False: from registers, no buffer); ``wgs``: the compute
-  warpgroups (2 with ``split``); ``zero_buffer``: a buffer of zeros per compute warpgroup
-  (``Scratch.zeros``)."""
+  warpgroups (2 with ``split``); ``zero_buffer``: a buffer of zeros (``Scratch.zeros``)."""
   lanes = wgs if split else 1  # K/V streams, each with num_stages slots
   consumers = 1 if split else wgs  # compute warpgroups reading a stream's tiles
   slots = lanes * num_stages
@@ -116,7 +115,7 @@ def scratch(*, chunks: int, v_chunks: int, dtype, out_dtype, out_buffers: int, h
       v=[chunk_buffer(v_shape) for _ in range(v_chunks)],
       p=tiled((wgs, block_q, block_kv)) if fp8 and p_smem else None,
       o=[plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) for _ in range(out_buffers)],
-      zeros=plgpu.SMEM((wgs, block_q, L.CHUNK), out_dtype) if zero_buffer else None,
+      zeros=plgpu.SMEM((block_q, L.CHUNK), out_dtype) if zero_buffer else None,
       lse=plgpu.SMEM((wgs, block_q), jnp.float32) if has_lse else None,
       units=plgpu.SMEM((2 * lanes,), jnp.int32) if dynamic else None,
       q_loaded=barrier(num_arrivals=chunks, num_barriers=wgs),
