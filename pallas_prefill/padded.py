@@ -156,6 +156,22 @@ def _check_ids(name, ids, batch, size):
                      f"{tuple(ids.shape)}")
 
 
+def _check_ids_fit(name, ids):
+  """Concrete ids of a dtype JAX narrows (NumPy int64 / uint64 without jax_enable_x64)
+  must fit in the narrower one: JAX wraps them silently (2**32 + 1 becomes 1), which
+  would merge runs, or make tokens padding, that the ids keep apart."""
+  stored = jax.dtypes.canonicalize_dtype(ids.dtype)
+  if stored == jnp.dtype(ids.dtype) or not val.is_concrete(ids):
+    return
+  info, arr = np.iinfo(stored), np.asarray(ids)
+  bad = np.argwhere((arr < info.min) | (arr > info.max))
+  if bad.size:
+    b, i = (int(x) for x in bad[0])
+    raise ValueError(f"{name}[{b}, {i}] = {arr[b, i]} does not fit in {stored}, the dtype "
+                     f"JAX holds {ids.dtype} in (jax_enable_x64 is off): distinct ids "
+                     f"would wrap to equal ones; pass {stored} ids")
+
+
 def _runs_needed(ids, padding_id) -> int:
   """The most sequences any row of concrete segment ids holds (counted in NumPy: inside a
   jit, jnp would stage even concrete ids)."""
@@ -191,6 +207,8 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
       raise ValueError(f"padding_segment_id {padding_segment_id} is not a value of {name}'s "
                        f"dtype {ids.dtype} ([{info.min}, {info.max}]): no token would be "
                        "padding")
+  for name, ids in zip(names, (q_ids, kv_ids)):
+    _check_ids_fit(name, ids)
   concrete = val.is_concrete(q_ids) and val.is_concrete(kv_ids)
   needed = {name: _runs_needed(ids, padding_segment_id)  # counted once, used twice
             for name, ids in zip(names, (q_ids, kv_ids))} if concrete else {}
@@ -285,7 +303,9 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       FP8 query over wider key and value, lengths or segment ids of the wrong shape or
       dtype, lengths with segment ids, a window the masks cannot express,
       logits_soft_cap <= 0), concrete lengths outside [0, T] or [0, S], concrete
-      segment ids with more sequences in a row than max_segments, concrete sink weights
+      segment ids with more sequences in a row than max_segments, concrete 64-bit
+      segment ids (NumPy int64 / uint64) that do not fit in the int32 / uint32 JAX holds
+      them in without jax_enable_x64, concrete sink weights
       that are not finite or above 1e38 and concrete FP8 scales that are not finite
       and > 0; more than 65535 sequences in all (batch * (2 * max_segments + 1), a
       launch grid's limit). Under jit nothing checks values: lengths and runs are

@@ -510,6 +510,12 @@ ERRORS = [
      r"padding_segment_id 1000 is not a value of segment_ids \(queries\)'s dtype int8"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.uint32), padding_segment_id=-1), ValueError,
      "padding_segment_id -1 is not a value of .* uint32"),
+    # NumPy int64 ids become int32 in JAX (jax_enable_x64 off), 2**32 + 1 becoming 1: runs
+    # merged silently once (and 2**32 with padding id 0 became padding).
+    (dict(segment_ids=np.asarray([[2**32 + 1] * 8 + [1] * 8] * 2)), ValueError,
+     r"segment_ids \(queries\)\[0, 0\] = 4294967297 does not fit in int32"),
+    (dict(segment_ids=(np.ones((2, 16), np.int32), np.asarray([[1] * 15 + [-2**40]] * 2))),
+     ValueError, r"segment_ids \(keys/values\)\[0, 15\] = -1099511627776 does not fit"),
     (dict(segment_ids=jnp.ones((2, 16), jnp.int32), max_segments=20_000), ValueError,
      r"batch \(2\) x 40001 ragged sequences per row \(max_segments = 20000\) must be at "
      r"most 65535"),
