@@ -216,8 +216,10 @@ def _segment_pair(segment_ids, padding_segment_id, max_segments, batch, t, s):
     if not concrete:
       raise ValueError("max_segments (a static int bounding the sequences per batch row) "
                        "is needed with traced segment_ids")
-    max_segments = max(1, *needed.values())
-    max_segments = 1 << (max_segments - 1).bit_length()  # fewer recompilations
+    exact = max(1, *needed.values())
+    max_segments = 1 << (exact - 1).bit_length()  # fewer recompilations
+    if batch * sequences_per_row(max_segments) > dispatch.MAX_GRID_DIM:
+      max_segments = exact  # not past the launch grid's limit where the count fits it
   if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or (
       max_segments < 1):
     raise ValueError(f"max_segments must be a static int >= 1, got {max_segments!r}")
@@ -267,7 +269,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
     padding_segment_id: the static int id of padding tokens (MaxText: 0, Levanter: -1);
       None: every token belongs to a sequence.
     max_segments: static int bound on the sequences per batch row; None: counted from
-      concrete segment ids (rounded up to a power of two), required under jit.
+      concrete segment ids (rounded up to a power of two, unless that would exceed the
+      launch grid's limit below where the count itself does not), required under jit.
     q_scale, k_scale, v_scale: FP8 inputs' float32 dequantization scales, as in
       ``mha_prefill`` (issue 24; what runs where is said there: e4m3 on Mosaic GPU,
       e5m2 and a bf16/f16 query on Triton under ``auto``): each a scalar, [num_kv_heads]

@@ -538,6 +538,29 @@ def test_batch_too_large_for_the_grid_names_the_layout():
     pp.dot_product_attention(q, k, v)
 
 
+def test_counted_max_segments_rounds_up_only_within_the_grid():
+  """max_segments=None counts the runs and rounds up to a power of two, except where the
+  rounded count would pass the launch grid's limit and the count itself does not: 8000
+  rows of 3 runs fit (8000 x 7 sequences) but 4 runs would not (8000 x 9 > 65535), and
+  such a call raised "lower max_segments" once though it passed none. Traced only
+  (eval_shape): the checks are static."""
+  ids = np.tile(np.asarray([[1, 1, 2, 2, 3, 3]], np.int32), (8000, 1))
+  x = jax.ShapeDtypeStruct((8000, 6, 2, 16), jnp.float32)
+  call = lambda **kw: jax.eval_shape(  # noqa: E731
+      lambda q, k, v: pp.dot_product_attention(q, k, v, segment_ids=ids, **kw), x, x, x)
+  assert call().shape == call(max_segments=3).shape == (8000, 6, 2, 16)
+  with pytest.raises(ValueError, match=r"batch \(8000\) x 9 ragged sequences per row "
+                                       r"\(max_segments = 4\)"):
+    call(max_segments=4)
+  q, k, v = (jnp.asarray(np.random.default_rng(shared.fresh_seed()).standard_normal(
+      (2, 6, h, 16)), jnp.float32) for h in (2, 1, 1))
+  small = ids[:2]  # a small batch still rounds 3 runs up to 4: the same program as 4's
+  np.testing.assert_array_equal(
+      np.asarray(pp.dot_product_attention(q, k, v, segment_ids=small, interpret=True)),
+      np.asarray(pp.dot_product_attention(q, k, v, segment_ids=small, max_segments=4,
+                                          interpret=True)))
+
+
 @pytest.mark.parametrize("b,t,s", [(2, 0, 5), (0, 4, 4), (2, 3, 0)])
 def test_empty_axes_give_empty_or_zero_outputs(b, t, s):
   """No query rows, no batch rows, or no keys: the shapes jax.nn gives, rows that see no
