@@ -115,8 +115,17 @@ def batched(*operands) -> bool:
 
 def implementation(jitted, *operands):
   """An entry point's jitted implementation for these operands: under ``jax.vmap``
-  (``batched``) the function it wraps, so that the batched call runs unpartitioned."""
-  return jitted.__wrapped__ if batched(*operands) else jitted
+  (``batched``) the function it wraps, so that the batched call runs unpartitioned;
+  traced with ``jax_enable_x64`` off (the kernels' index arithmetic is int32, and
+  Pallas' own indexing mixes in int64 under x64)."""
+  fn = jitted.__wrapped__ if batched(*operands) else jitted
+
+  @functools.wraps(fn)
+  def in_32_bits(*args, **kwargs):
+    with jax.enable_x64(False):
+      return fn(*args, **kwargs)
+
+  return in_32_bits
 
 
 def _may_partition() -> bool:

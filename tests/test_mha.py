@@ -265,3 +265,44 @@ def test_a_cap_far_above_the_logits_leaves_them_as_they_are():
     ref = pp.reference.mha_prefill_reference(q, k, v, off, max_prompt_len=40,
                                              logits_soft_cap=cap)
     assert cases.rel_err(out, ref) < 1e-5 and cases.rel_err(out, plain) < 1e-5
+
+
+@pytest.mark.parametrize("entry", ["mha", "mla", "padded"])
+def test_entry_points_under_jax_enable_x64(entry):
+  """With ``jax_enable_x64`` on, the entry points give what they give without it (their
+  kernels are traced in 32 bits: ``partitioning.implementation``), on float32 and bf16
+  inputs with a float64 NumPy sink and scale, and lower for an H200 under an outer jit
+  on both backends. (Interpret mode under an outer jit is Pallas' own, which x64 breaks:
+  not covered.)"""
+  from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: np.asarray(rng.standard_normal(shape), np.float32)  # noqa: E731
+  off = np.asarray([0, 7, 20], np.int32)
+  sink, scale = np.float64(0.5) + x(4).astype(np.float64), np.float64(0.3)
+  if entry == "mha":
+    args = (x(20, 4, 16), x(20, 2, 16), x(20, 2, 16), off)
+    call = lambda q, k, v, o, **kw: pp.mha_prefill(  # noqa: E731
+        q, k, v, o, max_prompt_len=16, sink_weights=sink, scale=scale, **kw)
+  elif entry == "mla":
+    args = (x(20, 4, 24), x(20, 4, 16), x(20, 1, 8), x(20, 4, 16), off)
+    call = lambda q, a, b, v, o, **kw: pp.mla_prefill(  # noqa: E731
+        q, a, b, v, o, max_prompt_len=16, scale=scale, **kw)
+  else:
+    n = np.asarray([10, 3], np.int32)
+    args = (x(2, 10, 4, 16), x(2, 10, 2, 16), x(2, 10, 2, 16), n)
+    call = lambda q, k, v, n, **kw: pp.dot_product_attention(  # noqa: E731
+        q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
+        sink_weights=sink, scale=scale, **kw)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    arrays = [jnp.asarray(a, dtype) if a.dtype == np.float32 else jnp.asarray(a)
+              for a in args]
+    want = call(*arrays, interpret=True)
+    with jax.enable_x64(True):
+      got = call(*arrays, interpret=True)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  abstract = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if a.dtype == np.float32 else
+                                   a.dtype) for a in args]
+  with jax.enable_x64(True):
+    for backend in ("triton", "mosaic_gpu"):
+      lower_for_h200(lambda *a, b=backend: call(*a, backend=b, interpret=False), *abstract)
