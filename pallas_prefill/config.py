@@ -373,9 +373,13 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
   and 1.022x. Up to ``COLUMN_MASK_MAX_PROMPT`` the jobs are contiguous spans of an item's
   rows across heads (``keyless_units="spans"``): on the H100 1.020x-1.033x "stores" on
   padded MHA short64 in three runs, but 0.96x-1.00x on skew16_16k, so short prompts
-  only. FP8 keeps "first" (on the H100 "stores" 1.073x on skew16_16k but 0.976x on
-  short64 and 0.973x on equal4x4096). (BUILD_NOTES.md, thirty-seventh, fortieth,
-  forty-first and forty-sixth sessions.) The packed entry points keep "first": their
+  only. With two compute warpgroups at depth 128 (MHA's) the jobs are those spans copied
+  by the TMA unit from a buffer of zeros (``keyless_units="bulk"``): on the H100 1.065x /
+  1.068x "stores" on padded MHA skew16_16k in two processes (1.11x the packed time
+  against 1.17x-1.19x) and 1.024x "spans" on short64. FP8 keeps "first" (on the H100
+  "stores" 1.073x on skew16_16k but 0.976x on short64 and 0.973x on equal4x4096).
+  (BUILD_NOTES.md, thirty-seventh, fortieth, forty-first, forty-sixth and forty-seventh
+  sessions.) The packed entry points keep "first": their
   calls rarely have key-less items, and "stores" costs them 1-3 %."""
   config = _default_tiles(qk_depth, v_depth, dtype, mask)
   if _three_wgs_serve(qk_depth, v_depth, dtype, config):
@@ -392,8 +396,14 @@ def default_mosaic_config(qk_depth: int, v_depth: int, dtype, mask,
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, column_mask=True, column_lo_static=True, narrow_last_tile=narrow))
   if padded and not is_fp8(dtype):  # (FP8's zero jobs measured mixed)
-    # zero jobs; for short prompts as contiguous spans of an item's rows across heads
-    units = "spans" if max_prompt_len <= COLUMN_MASK_MAX_PROMPT else "stores"
+    # zero jobs: with two compute warpgroups at depth 128 copied by the TMA unit
+    # ("bulk", which ``smem.fitted`` turns into "spans" where its buffer does not fit
+    # beside the output buffers); elsewhere stored, for short prompts as contiguous spans
+    # of an item's rows across heads
+    if config.compute_wgs == 2 and qk_depth == v_depth == 128:
+      units = "bulk"
+    else:
+      units = "spans" if max_prompt_len <= COLUMN_MASK_MAX_PROMPT else "stores"
     config = dataclasses.replace(config, options=dataclasses.replace(
         config.options, keyless_units=units))
   return config

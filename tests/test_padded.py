@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -399,41 +400,57 @@ def test_the_keyless_units_options_lower_and_change_the_kernel():
 @pytest.mark.parametrize("max_len", [512, 2048, 9000])
 def test_padded_default_stores_zero_jobs(max_len):
   """``config=None`` on ``dot_product_attention``'s layouts gives the padding rows' zeros
-  to the keyed units as zero jobs (``default_mosaic_config(padded=True)``:
-  ``keyless_units="spans"`` up to ``COLUMN_MASK_MAX_PROMPT``, "stores" above, plain
-  ``st.global.cs`` stores), with two compute warpgroups and three (max_len 9000) and
-  with the LSE, except in FP8 (whose zero jobs measured mixed); the packed entry
-  point's default and the padded call's with a ``MosaicConfig()`` given keep the
-  key-less units ("first")."""
+  to the keyed units as zero jobs (``default_mosaic_config(padded=True)``): with two
+  compute warpgroups at depth 128 copied by the TMA unit (``keyless_units="bulk"``,
+  ``cp.async.bulk``), with the LSE too, and as "spans" where a float32 output leaves no
+  room for the buffer of zeros (``smem.fitted``); with three (max_len 9000) "stores"
+  (plain ``st.global.cs`` stores); at depth 64 "spans" up to
+  ``COLUMN_MASK_MAX_PROMPT``, "stores" above; FP8 keeps the key-less units (its zero
+  jobs measured mixed), and so do the packed entry point's default and the padded
+  call's with a ``MosaicConfig()`` given ("first")."""
   from tests import lowered  # pylint: disable=g-import-not-at-top
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   s = jax.ShapeDtypeStruct
   q, kv, n = (s((2, max_len, 8, 128), jnp.bfloat16), s((2, max_len, 2, 128), jnp.bfloat16),
               s((2,), jnp.int32))
 
-  def stores(fn, *args):
+  def zero_jobs(fn, *args):
+    """"stores" (plain stores), "bulk" (bulk copies), or None (neither)."""
     text = lowered.kernel_texts(lower_for_h200(fn, *args).compiler_ir())[-1]
-    return "st.global.cs" in text
+    if "st.global.cs" in text:
+      return "stores"
+    return "bulk" if "cp.async.bulk.global.shared::cta.bulk_group" in text else None
 
   def padded(**kw):
     return lambda q, k, v, n: pp.dot_product_attention(  # noqa: E731
         q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, is_causal=True,
         backend="mosaic_gpu", interpret=False, **kw)
 
-  assert stores(padded(), q, kv, kv, n)
-  assert stores(padded(return_lse=True), q, kv, kv, n)
-  assert not stores(padded(config=pp.MosaicConfig()), q, kv, kv, n)
+  two = max_len <= config_lib.THREE_WGS_MIN_PROMPT
+  assert zero_jobs(padded(), q, kv, kv, n) == ("bulk" if two else "stores")
+  assert zero_jobs(padded(return_lse=True), q, kv, kv, n) == ("bulk" if two else "stores")
+  assert zero_jobs(padded(output_dtype=jnp.float32), q, kv, kv, n) == "stores"
+  assert zero_jobs(padded(config=pp.MosaicConfig()), q, kv, kv, n) is None
   offsets = s((3,), jnp.int32)
-  assert not stores(lambda q, k, v, o: pp.mha_prefill(  # noqa: E731
+  assert zero_jobs(lambda q, k, v, o: pp.mha_prefill(  # noqa: E731
       q, k, v, o, max_prompt_len=max_len, backend="mosaic_gpu", interpret=False),
       s((2 * max_len, 8, 128), jnp.bfloat16), s((2 * max_len, 2, 128), jnp.bfloat16),
-      s((2 * max_len, 2, 128), jnp.bfloat16), offsets)
+      s((2 * max_len, 2, 128), jnp.bfloat16), offsets) is None
+  short = max_len <= config_lib.COLUMN_MASK_MAX_PROMPT
   for dtype in (jnp.bfloat16, jnp.float16):
     config = config_lib.default_mosaic_config(128, 128, dtype, masks.CausalMask(), max_len,
                                               padded=True)
-    assert config.compute_wgs == (2 if max_len <= config_lib.THREE_WGS_MIN_PROMPT else 3)
-    assert config.options.keyless_units == (
-        "spans" if max_len <= config_lib.COLUMN_MASK_MAX_PROMPT else "stores")
+    assert config.compute_wgs == (2 if two else 3)
+    assert config.options.keyless_units == ("bulk" if two else "stores")
+    config = config_lib.default_mosaic_config(64, 64, dtype, masks.CausalMask(), max_len,
+                                              padded=True)
+    assert config.options.keyless_units == ("spans" if short else "stores")
+  from pallas_prefill import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  fitted = mosaic_gpu.fitted(
+      config_lib.default_mosaic_config(128, 128, jnp.bfloat16, masks.CausalMask(), 512,
+                                       padded=True),
+      [types.SimpleNamespace(width=128)], 128, jnp.bfloat16, jnp.float32, False)
+  assert fitted.options.keyless_units == "spans"
   fp8 = config_lib.default_mosaic_config(128, 128, jnp.float8_e4m3fn, masks.CausalMask(),
                                          max_len, padded=True)
   assert fp8.options.keyless_units == "first"

@@ -194,7 +194,17 @@ def smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config: MosaicCo
 def fitted(config: MosaicConfig, parts, v_depth, dtype, output_dtype,
            return_lse) -> MosaicConfig:
   """A default config cut down (stages to 2, then K/V tiles halved down to 64 rows) until
-  shared memory holds it for these operands (a float32 output takes more of it)."""
+  shared memory holds it for these operands (a float32 output takes more of it). Zero
+  jobs copied from a buffer of zeros (``MosaicOptions.keyless_units="bulk"``) become
+  "spans" first where that buffer would cost output buffers or shared memory that the
+  tiles need."""
+  if config.options.keyless_units == "bulk":
+    spans = dataclasses.replace(config, options=dataclasses.replace(
+        config.options, keyless_units="spans"))
+    plan = lambda c: _plan(parts, v_depth, dtype, output_dtype, return_lse, c)  # noqa: E731
+    (buffers, need), (spans_buffers, _) = plan(config), plan(spans)
+    if buffers < spans_buffers or need > L.SMEM_BYTES:
+      config = spans
   while smem_bytes(parts, v_depth, dtype, output_dtype, return_lse, config) > L.SMEM_BYTES:
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
