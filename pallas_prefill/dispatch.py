@@ -196,11 +196,19 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
   resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend."""
   if not isinstance(return_lse, (bool, np.bool_)):
     raise TypeError(f"return_lse must be a static bool, got {return_lse!r}")
+  interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+  if (interpret and jax.config.jax_enable_x64 and isinstance(q, jax.core.Tracer)
+      and getattr(q, "batch_dim", None) is None):
+    # (``partitioning.implementation`` traces the kernels in 32 bits, but the interpreter
+    # runs when the outer jit lowers, outside that)
+    raise NotImplementedError(
+        "interpret mode inside jax.jit with jax_enable_x64 on: Pallas' interpreter indexes "
+        "in int64 there and fails; call the entry point outside jax.jit, or trace the jit "
+        "under jax.enable_x64(False) (compiled GPU calls are not affected)")
   return dict(
       max_prompt_len=int(max_prompt_len), mask=mask,
       scale=float(depth ** -0.5 if scale is None else scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       output_dtype=jnp.dtype(q.dtype if output_dtype is None else output_dtype),
       return_lse=bool(return_lse), config=config,
-      interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret),
-      backend="auto" if backend is None else backend)
+      interpret=interpret, backend="auto" if backend is None else backend)

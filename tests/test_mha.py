@@ -272,8 +272,8 @@ def test_entry_points_under_jax_enable_x64(entry):
   """With ``jax_enable_x64`` on, the entry points give what they give without it (their
   kernels are traced in 32 bits: ``partitioning.implementation``), on float32 and bf16
   inputs with a float64 NumPy sink and scale, and lower for an H200 under an outer jit
-  on both backends. (Interpret mode under an outer jit is Pallas' own, which x64 breaks:
-  not covered.)"""
+  on both backends; interpret mode inside a jit (Pallas' interpreter, which x64 breaks
+  when the outer jit lowers) raises a NotImplementedError that says so."""
   from tests.test_lowering import lower_for_h200  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(cases.fresh_seed())
   x = lambda *shape: np.asarray(rng.standard_normal(shape), np.float32)  # noqa: E731
@@ -301,6 +301,8 @@ def test_entry_points_under_jax_enable_x64(entry):
       got = call(*arrays, interpret=True)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with jax.enable_x64(True), pytest.raises(NotImplementedError, match="jax_enable_x64"):
+      jax.jit(lambda *a: call(*a, interpret=True))(*arrays)
   abstract = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if a.dtype == np.float32 else
                                    a.dtype) for a in args]
   with jax.enable_x64(True):
