@@ -13,5 +13,6 @@ EMPTY_ROW_LSE = -1e30
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # The largest sink logit the kernels take (sink * LOG2_E must stay finite in float32):
-# larger concrete sink weights raise ValueError, traced ones are taken as SINK_MAX.
+# larger concrete sink weights raise ValueError, traced ones are taken as SINK_MAX; sinks
+# below -SINK_MAX are taken as -SINK_MAX (above the mask value once times log2(e)).
 SINK_MAX = 1e38

@@ -68,7 +68,11 @@ def ragged_attention(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, parts
   if sink_weights is not None:
     # Concrete sinks above SINK_MAX were refused; traced ones are clamped, so that
     # sink * log2(e) stays finite in the kernels (an inf maximum would give NaN rows).
-    sink_weights = jnp.minimum(sink_weights.astype(jnp.float32), SINK_MAX)
+    # Sinks below -SINK_MAX are taken as -SINK_MAX (their weight is 0 in float32 either
+    # way): below about -1.65e38, sink * log2(e) falls under the kernels' mask value (or
+    # overflows to -inf), and a row that sees no key reported the LSE -1e30 or -inf
+    # instead of its sink's.
+    sink_weights = jnp.clip(sink_weights.astype(jnp.float32), -SINK_MAX, SINK_MAX)
   if total_q == 0 or v.shape[0] == 0:
     # No query, or no key anywhere: nothing for a kernel to do (and nothing to index).
     return _no_keys(total_q, num_heads, v_depth, q_offsets, sink_weights, output_dtype,

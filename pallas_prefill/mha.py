@@ -69,7 +69,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       channels 30x larger (large logits), against 2e-3 on Triton.
     sink_weights: optional [num_heads] float attention-sink logits: each row's softmax
       denominator gains exp(sink - max); the sink contributes no value. At most 1e38
-      (checked when concrete; a traced larger one is taken as 1e38).
+      (checked when concrete; a traced larger one is taken as 1e38); one below -1e38 is
+      taken as -1e38 (the LSE of a row that sees no key is then -1e38).
     output_dtype: dtype of the output; default q.dtype.
     return_lse: also return the float32 natural-log log-sum-exp of each row's logits, sink
       included, for merging chunks (rows that see no key and have no sink: -1e30).

@@ -101,6 +101,33 @@ def test_no_rows_at_all(sink):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
 
 
+@pytest.mark.parametrize("sink", [-2e38, float(np.finfo(np.float32).min)])
+@pytest.mark.parametrize("kv_lens", [(5, 5), (0, 4)], ids=["cross", "empty_kv"])
+def test_a_sink_below_minus_1e38_on_rows_that_see_no_key(sink, kv_lens):
+  """A sink far below any logit (finfo.min as "no sink"): rows that see no key report
+  its LSE (taken as -1e38), not the empty-row -1e30 (a masked tile's maximum above
+  sink * log2(e)) nor -inf (sink * log2(e) overflowed); the other rows are unchanged."""
+  rng = np.random.default_rng(cases.fresh_seed())
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q_off = jnp.array([0, 20, 24], jnp.int32)
+  kv_off = jnp.asarray(np.cumsum((0,) + kv_lens), jnp.int32)
+  q, k, v = x(24, 2, 16), x(sum(kv_lens), 1, 16), x(sum(kv_lens), 1, 16)
+  sinks = jnp.array([sink, 0.5], jnp.float32)
+  kw = dict(max_prompt_len=20, kv_input_row_offsets=kv_off, sink_weights=sinks,
+            return_lse=True)
+  out, lse = pp.mha_prefill(q, k, v, q_off, config=pp.MhaConfig(16, 16), interpret=True,
+                            **kw)
+  ref, ref_lse = pp.reference.mha_prefill_reference(q, k, v, q_off, **kw)
+  keyless = np.arange(20) < 20 - kv_lens[0]  # sequence 0's first queries see no key
+  lse = np.asarray(lse)
+  assert np.isfinite(lse).all() and np.isfinite(np.asarray(out)).all()
+  np.testing.assert_array_equal(lse[:20][keyless, 0], np.float32(-1e38))
+  np.testing.assert_array_equal(lse[:20][keyless, 1], np.float32(0.5))
+  assert not np.asarray(out)[:20][keyless].any()
+  np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["mha", "kv_offsets", "paged", "fp8", "mla"])
 @pytest.mark.parametrize("total_q", [0, 7])
 def test_an_empty_batch_gives_zeros(kind, total_q):
