@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_prefill import mosaic_gpu
+from pallas_prefill import partitioning
 from pallas_prefill import triton as triton_backend
 from pallas_prefill.config import (MhaConfig, MosaicConfig, default_mosaic_config, is_hopper,
                                    prefers_triton)
@@ -202,7 +203,7 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
     raise TypeError(f"return_lse must be a static bool, got {return_lse!r}")
   interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
   if (interpret and jax.config.jax_enable_x64 and isinstance(q, jax.core.Tracer)
-      and getattr(q, "batch_dim", None) is None):
+      and not partitioning.batched(q)):
     # (``partitioning.implementation`` traces the kernels in 32 bits, but the interpreter
     # runs when the outer jit lowers, outside that)
     raise NotImplementedError(

@@ -79,6 +79,14 @@ def _fp8_output_dtype(q, k, output_dtype):
   return fp8.output_dtype_for(q.dtype) if fp8.is_fp8(k.dtype) else q.dtype
 
 
+def _clamped_sinks(sink_weights):
+  """Sink logits in float32 within [-SINK_MAX, SINK_MAX], as the kernels take them
+  (``dispatch.ragged_attention``), or None."""
+  if sink_weights is None:
+    return None
+  return jnp.clip(sink_weights.astype(jnp.float32), -SINK_MAX, SINK_MAX)
+
+
 def _soft_cap(s, cap):
   return s if cap is None else cap * jnp.tanh(s / cap)
 
@@ -96,8 +104,7 @@ def _reference(logits_fn, v, input_row_offsets, keys, kv_lens, *, num_heads, tot
   q_lens = jnp.diff(q_off)
   q_pos = kv_lens[q_seq] - q_lens[q_seq] + q_idx
   v32 = jnp.repeat(v.astype(jnp.float32), group, axis=1)  # [total_kv, num_heads, v_depth]
-  sink = None if sink_weights is None else jnp.clip(
-      sink_weights.astype(jnp.float32), -SINK_MAX, SINK_MAX)  # as the kernels take them
+  sink = _clamped_sinks(sink_weights)
 
   num_blocks = max(1, -(-total_q // block_rows))  # one (padding) block when no query
 
@@ -280,8 +287,7 @@ def dot_product_attention_reference(query, key, value, *, query_seq_lengths=None
   q_real = q_run >= 0 if segment_ids is not None else (
       q_pos < (t_len if query_seq_lengths is None else query_seq_lengths[:, None]))
   vis = same & mask.visible(q_pos[:, :, None], k_pos[:, None, :])  # [b, t, s]
-  sink = None if sink_weights is None else jnp.clip(
-      sink_weights.astype(jnp.float32), -SINK_MAX, SINK_MAX)  # as the kernels take them
+  sink = _clamped_sinks(sink_weights)
   rows = max(1, min(t_len, 256))  # query rows per block: bounded memory at any length
   blocks = max(1, -(-t_len // rows))  # one (padding) block when no query
   pad_t = lambda x: jnp.pad(x, [(0, 0), (0, blocks * rows - t_len)] + [(0, 0)] * (  # noqa: E731
