@@ -46,12 +46,18 @@ def check_scale(name, scale, batch, num_kv_heads):
     raise ValueError(f"{name} must be a scalar, [num_kv_heads] = [{num_kv_heads}] or "
                      f"[batch, num_kv_heads] = [{batch}, {num_kv_heads}], got {tuple(shape)}")
   if not isinstance(scale, jax.core.Tracer):
-    values = np.asarray(scale, np.float32)
-    if not (np.isfinite(values) & (values > 0)).all():
-      bad = values[~(np.isfinite(values) & (values > 0))].flat[0]
-      raise ValueError(f"{name} must be finite and > 0 (a dequantization scale), got "
-                       f"{bad}")
+    _check_normal(name, np.asarray(scale, np.float32))
   return jnp.broadcast_to(scale, (batch, num_kv_heads))
+
+
+def _check_normal(name, values):
+  """Raises unless every float32 value is finite and at least float32's smallest normal
+  (a GPU flushes a subnormal scale to zero, which would zero the values it scales)."""
+  good = np.isfinite(values) & (values >= np.finfo(np.float32).tiny)
+  if not good.all():
+    raise ValueError(f"{name} must be finite and at least float32's smallest normal "
+                     f"{np.finfo(np.float32).tiny:.4g} (a dequantization scale; a GPU "
+                     f"flushes smaller ones to zero), got {values[~good].flat[0]}")
 
 
 def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads,
@@ -78,6 +84,8 @@ def scales(q, k, v, q_scale, k_scale, v_scale, *, batch, num_kv_heads,
   qk = check_scale("k_scale", k_scale, batch, num_kv_heads)
   if fp8["q"]:
     qk = qk * check_scale("q_scale", q_scale, batch, num_kv_heads)
+    if not isinstance(qk, jax.core.Tracer):  # the kernels apply the product, in float32
+      _check_normal("q_scale * k_scale", np.asarray(qk, np.float32))
   elif jnp.dtype(q.dtype).itemsize != 2:
     raise TypeError(f"{q_name} over FP8 {k_name}/{v_name} must be FP8, bfloat16 or "
                     f"float16, got {q.dtype}")

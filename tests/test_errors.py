@@ -546,7 +546,7 @@ def test_concrete_non_finite_sink_weights_raise(bad):
 
 
 @pytest.mark.parametrize("name", ["q_scale", "k_scale", "v_scale"])
-@pytest.mark.parametrize("bad", [np.nan, np.inf, 0.0, -1.0])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 0.0, -1.0, 1e-39])
 def test_concrete_fp8_scales_must_be_finite_and_positive(name, bad):
   fp8_kwargs = dict(q=arr((ROWS, HEADS, DIM), "float8_e4m3fn"),
                     k=arr((ROWS, KV_HEADS, DIM), "float8_e4m3fn"),
@@ -555,6 +555,19 @@ def test_concrete_fp8_scales_must_be_finite_and_positive(name, bad):
   good = valid(**fp8_kwargs)
   with pytest.raises(KernelReached):
     call_eager(good)
-  with pytest.raises(ValueError, match=rf"^{name} must be finite and > 0 \(a "
-                     r"dequantization scale\), got"):
+  with pytest.raises(ValueError, match=rf"^{name} must be finite and at least float32's "
+                     r"smallest normal 1.175e-38 \(a dequantization scale; a GPU flushes "
+                     r"smaller ones to zero\), got"):
     call_eager({**good, name: jnp.full((KV_HEADS,), bad, jnp.float32)})
+
+
+@pytest.mark.parametrize("q_scale,k_scale", [(1e30, 1e10), (1e-30, 1e-10)])
+def test_concrete_fp8_scale_products_must_be_normal(q_scale, k_scale):
+  """q_scale and k_scale, each valid, whose float32 product (which the kernels apply to
+  the logits) overflows to inf (NaN outputs) or flushes to zero (uniform attention)."""
+  fp8_kwargs = dict(q=arr((ROWS, HEADS, DIM), "float8_e4m3fn"),
+                    k=arr((ROWS, KV_HEADS, DIM), "float8_e4m3fn"),
+                    v=arr((ROWS, KV_HEADS, DIM), "float8_e4m3fn"), v_scale=0.5)
+  with pytest.raises(ValueError, match=r"^q_scale \* k_scale must be finite and at least "
+                     r"float32's smallest normal"):
+    call_eager(valid(**fp8_kwargs, q_scale=q_scale, k_scale=k_scale))
