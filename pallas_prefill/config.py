@@ -182,6 +182,15 @@ class MosaicOptions:
       mask at depth 128 (on the H100 1.014x-1.026x on MHA short64, 1.012x-1.018x on
       skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
       BUILD_NOTES.md, thirty-fifth session).
+    work_list_shuffles: the work list's kernel (``build_work_list``) exchanges lanes that
+      one thread or one warp holds without shared memory: its bitonic sort's steps between
+      lanes 128 or more apart as a relabelling of each thread's registers, those fewer
+      than 32 apart as warp shuffles, and its scans' rounds 128 lanes or more apart from
+      registers (``work_items.Ops``). The same table and scalars. Of a 1024-lane sort's 55
+      steps (each two warpgroup barriers and a store and a load of shared memory a lane)
+      46 leave shared memory: the padded calls' lanes (padded MHA skew16_16k's work list
+      is 1024 lanes, 27.6 us on the H200 against the packed call's 256 lanes in 9.2 us,
+      ncu, thirty-seventh session). Off: not yet run on a GPU (forty-eighth session).
   """
 
   dynamic: bool = True
@@ -203,13 +212,14 @@ class MosaicOptions:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
+  work_list_shuffles: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
                  "row_sum_first", "q_per_tile", "column_mask",
-                 "column_lo_static", "narrow_last_tile"):
+                 "column_lo_static", "narrow_last_tile", "work_list_shuffles"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -209,6 +209,16 @@ def test_mosaic_work_items_match_xla(case):
     test_work_items.check_work_items(case, interpret=False, seed=seed)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", test_work_items.SHUFFLE_CASES, ids=lambda c: c.name)
+def test_mosaic_work_items_with_shuffles_match_xla(case, dynamic):
+  """The same with ``MosaicOptions.work_list_shuffles``: registers relabelled and warp
+  shuffles (``shfl.sync.bfly``) where lanes of one thread or one warp meet."""
+  for seed in range(3):
+    test_work_items.check_work_items(case, interpret=False, seed=seed, dynamic=dynamic,
+                                     shuffles=True)
+
+
 @pytest.mark.parametrize("case", test_work_items.DYNAMIC_CASES, ids=lambda c: c.name)
 def test_mosaic_work_items_dynamic_order_matches_xla(case):
   """The same with dynamic scheduling's order (``schedule.dynamic_head_major_order``)."""

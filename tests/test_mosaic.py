@@ -1161,6 +1161,11 @@ LOWERED = [
         options=pp.MosaicOptions(keyless_units="bulk"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         block_kv=64, options=pp.MosaicOptions(keyless_units="bulk", dynamic=False))),
+    # MosaicOptions.work_list_shuffles: the work list's kernel (no LSE) exchanging lanes
+    # by registers and warp shuffles: 128 lanes, and 512 (steps 128 and 256 lanes apart)
+    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(work_list_shuffles=True))),
+    Lowered(total_q=40000, total_kv=40000, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(work_list_shuffles=True, dynamic=False))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),
@@ -1331,6 +1336,29 @@ def test_default_config_lowers(problem):
   assert out.dtype == problem.out_dtype
   if problem.lse:
     assert out_info[1].shape == (problem.total_q, problem.heads)
+
+
+def test_work_list_shuffles_leave_shared_memory():
+  """``MosaicOptions.work_list_shuffles`` on a 512-lane work list (40000 rows, 313 items):
+  the kernel's exchanges within a warp become ``shfl.sync bfly`` and those within a
+  thread register relabellings, so that its warpgroup barriers and shared-memory stores
+  and loads drop. Its 512-lane sort has 45 steps: 35 butterflies within a warp (4
+  registers a thread, so 140 shuffles; the reductions' own shuffles are there either
+  way), 3 relabellings, 7 exchanges left in shared memory; the item scan's rounds 128 and
+  256 lanes apart are relabellings too: 2 * (35 + 3 + 2) barriers fewer."""
+  counts = {}
+  for shuffles in (False, True):
+    problem = Lowered(total_q=40000, total_kv=40000, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(work_list_shuffles=shuffles, dynamic=False)))
+    from tests import lowered  # pylint: disable=g-import-not-at-top
+    text = lowered.kernel_texts(problem.lower().compiler_ir())[0]  # the work list's
+    counts[shuffles] = {name: len(re.findall(pattern, text)) for name, pattern in (
+        ("bfly", r"nvvm\.shfl\.sync bfly"), ("barrier", r"bar\.sync \$0, 128;"),
+        ("store", r"memref\.store"), ("load", r"memref\.load"))}
+  off, on = counts[False], counts[True]
+  assert on["bfly"] - off["bfly"] == 4 * 35, counts
+  assert off["barrier"] - on["barrier"] == 2 * (35 + 3 + 2), counts
+  assert on["store"] < off["store"] and on["load"] < off["load"], counts
 
 
 @pytest.mark.parametrize("mask,dropped", [

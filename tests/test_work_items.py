@@ -97,7 +97,7 @@ def _offsets(lens):
 
 
 def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=False,
-                     keyless_apart=True):
+                     keyless_apart=True, shuffles=False):
   rng = np.random.default_rng(seed)
   off = _offsets(case.lens)
   total_q = int(off[-1]) + case.extra_rows
@@ -137,7 +137,7 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   got, scalars = work_items.build(off, kv_rows(kv_off), total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
                                   dynamic=dynamic, interpret=interpret,
-                                  keyless_apart=keyless_apart, **kw)
+                                  keyless_apart=keyless_apart, shuffles=shuffles, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
   assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
   np.testing.assert_array_equal(got[:table.shape[0]], table)
@@ -184,6 +184,17 @@ def test_work_items_match_xla_in_interpret_mode(case):
 
 DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], *WORK_CASES[-2:]]
 
+# ``dot_product_attention``'s layout of padded MHA skew16_16k (``padded.ragged_layout``:
+# per batch row an empty lead, the run, the padding after it, which has no keys): 560
+# items, a 1024-lane sort (its steps 128, 256 and 512 lanes apart among them)
+_SKEW = (4096, 2048, 1800, 1500, 1200, 1000, 900, 800, 700, 600, 500, 400, 300, 200, 100, 37)
+PADDED_SKEW_CASE = WorkCase(tuple(x for n in _SKEW for x in (0, n, 4096 - n)),
+                            kv_lens=tuple(x for n in _SKEW for x in (0, n, 0)), extra_rows=0)
+# The exchanges without shared memory (``MosaicOptions.work_list_shuffles``): 128 to 1024
+# lanes, garbage offsets, FP8's table, three warpgroups, dynamic scheduling
+SHUFFLE_CASES = [WORK_CASES[0], WORK_CASES[1], WORK_CASES[3], WORK_CASES[8], WORK_CASES[16],
+                 FP8_WORK_CASES[0], THREE_WGS_WORK_CASES[1], PADDED_SKEW_CASE]
+
 
 @pytest.mark.parametrize("keyless_apart", [True, False])
 @pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: c.name)
@@ -193,6 +204,28 @@ def test_work_items_dynamic_order(case, keyless_apart):
   the scalars' lanes (for the keyed items' units where the key-less ones run apart,
   ``MosaicOptions.keyless_units``; else for all)."""
   check_work_items(case, interpret=True, dynamic=True, keyless_apart=keyless_apart)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", SHUFFLE_CASES, ids=lambda c: c.name)
+def test_work_items_with_shuffles(case, dynamic):
+  """``work_list_shuffles``' exchanges (each thread's registers relabelled, warp
+  butterflies, on the [register, thread] view of the lanes that the compiled kernel's
+  layout has): the same table and scalars as XLA's."""
+  check_work_items(case, interpret=True, dynamic=dynamic, shuffles=True)
+
+
+@pytest.mark.parametrize("broken", ["registers", "butterfly"])
+def test_work_items_shuffles_check_can_fail(monkeypatch, broken):
+  """The comparison sees either exchange gone wrong: registers not relabelled, or warp
+  butterflies that return the lane's own value."""
+  if broken == "registers":
+    monkeypatch.setattr(work_items.Ops, "_registers",
+                        lambda self, x, sources, identity=0: x)
+  else:
+    monkeypatch.setattr(work_items.Ops, "_shuffle_xor", lambda self, x, j: x)
+  with pytest.raises(AssertionError):
+    check_work_items(PADDED_SKEW_CASE, interpret=True, shuffles=True)
 
 
 def test_dynamic_cases_cover_every_schedule():

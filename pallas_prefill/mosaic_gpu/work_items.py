@@ -74,12 +74,30 @@ def _iota(n: int):
   return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=_layout(n))
 
 
+WARP = 32
+
+
+def _from_registers(x, regs):
+  """A lane array of ``x``'s layout holding the registers ``regs`` (inside ``inline_mgpu``)."""
+  return mgpu.FragmentedArray(_registers=np.array(regs).reshape(x.registers.shape),
+                              _layout=x.layout, _is_signed=True)
+
+
 class Ops:
   """Per-element memory access and the warpgroup barrier, compiled (``inline_mgpu``) or
-  in interpret mode (plain arrays)."""
+  in interpret mode (plain arrays).
 
-  def __init__(self, interpret: bool):
+  With ``shuffles`` (``MosaicOptions.work_list_shuffles``), the sort's and the scans'
+  exchanges between lanes that one thread holds (lanes a multiple of 128 apart: registers
+  of the thread) or that one warp holds (lanes fewer than 32 apart with the same
+  register, the sort's butterflies) skip shared memory and its two barriers: a register
+  relabelling or a warp shuffle. Lane i of an ``_layout(n)`` array is register i // 128
+  of thread i % 128 (``WG_STRIDED`` with one element a register); interpret mode runs the
+  same exchanges on that [register, thread] view of the lanes."""
+
+  def __init__(self, interpret: bool, shuffles: bool = False):
     self.interpret = interpret
+    self.shuffles = shuffles
 
   def gather(self, ref, idx):
     """ref[idx] for a 1-D int32 ref (shared or global memory) and int32 indices."""
@@ -138,12 +156,68 @@ class Ops:
     self.scatter(buf, lane, lane * 0 + identity)
     k = 1
     while k < n:
-      self.scatter(buf, lane + n, x)
-      self.sync()
-      x = op(x, self.gather(buf, lane + n - k))
-      self.sync()
+      if self.shuffles and k >= WARPGROUP:  # lane i - k: the thread's register i // 128 - s
+        s = k // WARPGROUP
+        x = op(x, self._registers(x, [r - s if r >= s else None for r in range(n // WARPGROUP)],
+                                  identity))
+      else:
+        self.scatter(buf, lane + n, x)
+        self.sync()
+        x = op(x, self.gather(buf, lane + n - k))
+        self.sync()
       k *= 2
     return x
+
+  def in_thread_or_warp(self, j):
+    """Whether ``xor`` exchanges lanes j apart without shared memory."""
+    return self.shuffles and (j >= WARPGROUP or j < WARP)
+
+  def xor(self, v, j):
+    """Each lane i's ``v[i ^ j]``, where ``in_thread_or_warp(j)`` (j a power of two)."""
+    if j >= WARPGROUP:
+      s = j // WARPGROUP
+      return self._registers(v, [r ^ s for r in range(v.shape[0] // WARPGROUP)])
+    return self._shuffle_xor(v, j)
+
+  def _registers(self, x, sources, identity=0):
+    """The lanes of ``x`` with each thread's register r replaced by its register
+    ``sources[r]`` (``identity`` where that is None)."""
+    n = x.shape[0]
+    if self.interpret:
+      regs = x.reshape(n // WARPGROUP, WARPGROUP)
+      return jnp.concatenate([jnp.full((1, WARPGROUP), identity, x.dtype) if r is None
+                              else regs[r:r + 1] for r in sources]).reshape(n)
+    x = plgpu.layout_cast(x, _layout(n))
+
+    @plgpu.inline_mgpu(arg_types=(_layout(n),),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
+    def relabel(_, a):
+      regs = list(a.registers.flat)
+      const = None
+      if None in sources:
+        i32 = ir.IntegerType.get_signless(32)
+        const = vector.broadcast(regs[0].type, arith.constant(i32, identity))
+      return _from_registers(a, [const if r is None else regs[r] for r in sources])
+
+    return relabel(x)
+
+  def _shuffle_xor(self, x, j):
+    """Each lane i's ``x[i ^ j]`` for j < 32: within the warp (``shfl.sync.bfly``)."""
+    n = x.shape[0]
+    if self.interpret:  # thread t ^ j: the two halves of each 2j threads swapped
+      return jnp.flip(x.reshape(n // WARPGROUP, WARPGROUP // (2 * j), 2, j), 2).reshape(n)
+    x = plgpu.layout_cast(x, _layout(n))
+
+    @plgpu.inline_mgpu(arg_types=(_layout(n),),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
+    def shuffle(_, a):
+      regs = []
+      for reg in a.registers.flat:
+        y = mgpu.utils.shfl_bfly(vector.extract(reg, [], [0]), j)
+        regs.append(vector.broadcast(reg.type, y))
+      return _from_registers(a, regs)
+
+    return shuffle(x)
 
 
 def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
@@ -192,11 +266,15 @@ def _bitonic_sort(ops, v, sort_buf, i, n_items):
   while k <= n_items:
     j = k // 2
     while j >= 1:
-      ops.scatter(sort_buf, i, v)
-      ops.sync()
-      low = lax.rem(lax.div(i, j), 2) == 0  # the pair's lower lane
-      other = ops.gather(sort_buf, jnp.where(low, i + j, i - j))
-      ops.sync()
+      if ops.in_thread_or_warp(j):
+        other = ops.xor(v, j)
+        low = lax.rem(lax.div(i, j), 2) == 0  # the pair's lower lane
+      else:
+        ops.scatter(sort_buf, i, v)
+        ops.sync()
+        low = lax.rem(lax.div(i, j), 2) == 0
+        other = ops.gather(sort_buf, jnp.where(low, i + j, i - j))
+        ops.sync()
       ascending = lax.rem(lax.div(i, k), 2) == 0
       v = jnp.where(low == ascending, jnp.minimum(v, other), jnp.maximum(v, other))
       j //= 2
@@ -206,13 +284,13 @@ def _bitonic_sort(ops, v, sort_buf, i, n_items):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret, kv_align, seq_column, keyless_apart, wgs):
+            top_left, interpret, kv_align, seq_column, keyless_apart, wgs, shuffles):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
   cache_ref = refs.pop(0) if paged_cap is not None else None
   table_ref, scalar_ref = refs
-  ops = Ops(interpret)
+  ops = Ops(interpret, shuffles)
   n_items, n_seqs = sizes(num_items, batch)
   rows = wgs * block_q
   n_cols = num_columns(seq_column, wgs)
@@ -329,7 +407,7 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
           top_left=False, interpret=False, kv_align=1, seq_column=False, keyless_apart=False,
-          wgs=L.COMPUTE_WGS):
+          wgs=L.COMPUTE_WGS, shuffles=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -338,8 +416,10 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   whose second part goes to lane ``layout.S_DEAL``), and the end of the last sequence's
   keys, and the items that run with KV tiles (``layout.S_KEYED``); the rest zeros).
   ``keyless_apart``: the unit order is picked for the keyed items' units alone (the
-  key-less ones run apart: ``MosaicOptions.keyless_units``). Only where ``fits``;
-  arguments as ``work_list``'s (``wgs``: the compute warpgroups)."""
+  key-less ones run apart: ``MosaicOptions.keyless_units``). ``shuffles``: the sort's and
+  scans' exchanges within a thread or a warp without shared memory (``Ops``; the same
+  table and scalars). Only where ``fits``; arguments as ``work_list``'s (``wgs``: the
+  compute warpgroups)."""
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q, wgs)
   n_items, _ = sizes(num_items, batch)
@@ -358,7 +438,8 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       group=group, num_programs=num_programs,
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
       page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
-      kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart, wgs=wgs)
+      kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart, wgs=wgs,
+      shuffles=shuffles)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).
