@@ -1339,13 +1339,14 @@ def test_default_config_lowers(problem):
 
 
 def test_work_list_shuffles_leave_shared_memory():
-  """``MosaicOptions.work_list_shuffles`` on a 512-lane work list (40000 rows, 313 items):
-  the kernel's exchanges within a warp become ``shfl.sync bfly`` and those within a
-  thread register relabellings, so that its warpgroup barriers and shared-memory stores
-  and loads drop. Its 512-lane sort has 45 steps: 35 butterflies within a warp (4
-  registers a thread, so 140 shuffles; the reductions' own shuffles are there either
-  way), 3 relabellings, 7 exchanges left in shared memory; the item scan's rounds 128 and
-  256 lanes apart are relabellings too: 2 * (35 + 3 + 2) barriers fewer."""
+  """``MosaicOptions.work_list_shuffles`` on a 512-lane work list (40000 rows, 313 items,
+  4 registers a thread; 128 sequence lanes, one): the kernel's exchanges within a warp
+  become ``shfl.sync`` and those within a thread register relabellings, so that its
+  warpgroup barriers and shared-memory stores and loads drop. The sort's 45 steps: 35
+  butterflies within a warp (140 shuffles; the reductions' own are there either way), 3
+  relabellings, 7 exchanges left in shared memory (two barriers each). The four scans
+  (three over the sequences' lanes, 7 rounds of two barriers each, one over the items',
+  9) take two barriers each, and 5 shuffles up a register."""
   counts = {}
   for shuffles in (False, True):
     problem = Lowered(total_q=40000, total_kv=40000, config=pp.MosaicConfig(
@@ -1353,11 +1354,14 @@ def test_work_list_shuffles_leave_shared_memory():
     from tests import lowered  # pylint: disable=g-import-not-at-top
     text = lowered.kernel_texts(problem.lower().compiler_ir())[0]  # the work list's
     counts[shuffles] = {name: len(re.findall(pattern, text)) for name, pattern in (
-        ("bfly", r"nvvm\.shfl\.sync bfly"), ("barrier", r"bar\.sync \$0, 128;"),
-        ("store", r"memref\.store"), ("load", r"memref\.load"))}
+        ("bfly", r"nvvm\.shfl\.sync bfly"), ("up", r"nvvm\.shfl\.sync up"),
+        ("barrier", r"bar\.sync \$0, 128;"), ("store", r"memref\.store"),
+        ("load", r"memref\.load"))}
   off, on = counts[False], counts[True]
-  assert on["bfly"] - off["bfly"] == 4 * 35, counts
-  assert off["barrier"] - on["barrier"] == 2 * (35 + 3 + 2), counts
+  assert on["bfly"] - off["bfly"] == 4 * 35 and off["up"] == 0, counts
+  assert on["up"] == 5 * (3 * 1 + 4), counts
+  sort_saved, scans_saved = 2 * (45 - 7), 2 * (3 * 7 + 9) - 2 * 4
+  assert off["barrier"] - on["barrier"] == sort_saved + scans_saved, counts
   assert on["store"] < off["store"] and on["load"] < off["load"], counts
 
 

@@ -215,15 +215,19 @@ def test_work_items_with_shuffles(case, dynamic):
   check_work_items(case, interpret=True, dynamic=dynamic, shuffles=True)
 
 
-@pytest.mark.parametrize("broken", ["registers", "butterfly"])
+@pytest.mark.parametrize("broken", ["registers", "butterfly", "shuffle_up", "carries"])
 def test_work_items_shuffles_check_can_fail(monkeypatch, broken):
-  """The comparison sees either exchange gone wrong: registers not relabelled, or warp
-  butterflies that return the lane's own value."""
+  """The comparison sees each exchange gone wrong: registers not relabelled, warp
+  butterflies or shuffles up that return the lane's own value, segments' carries lost."""
   if broken == "registers":
-    monkeypatch.setattr(work_items.Ops, "_registers",
-                        lambda self, x, sources, identity=0: x)
-  else:
+    monkeypatch.setattr(work_items.Ops, "_registers", lambda self, x, sources: x)
+  elif broken == "butterfly":
     monkeypatch.setattr(work_items.Ops, "_shuffle_xor", lambda self, x, j: x)
+  elif broken == "shuffle_up":
+    monkeypatch.setattr(work_items.Ops, "_shuffle_up", lambda self, x, k: x)
+  else:
+    monkeypatch.setattr(work_items.Ops, "_segment_carries",
+                        lambda self, x, buf, segments, op, identity: x * 0 + identity)
   with pytest.raises(AssertionError):
     check_work_items(PADDED_SKEW_CASE, interpret=True, shuffles=True)
 

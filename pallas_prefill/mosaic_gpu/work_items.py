@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir  # pylint: disable=g-direct-tensorflow-import
-from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import arith, memref, nvvm, vector
 
 from pallas_prefill.mosaic_gpu import layout as L
 from pallas_prefill.mosaic_gpu import primitives
@@ -87,13 +87,15 @@ class Ops:
   """Per-element memory access and the warpgroup barrier, compiled (``inline_mgpu``) or
   in interpret mode (plain arrays).
 
-  With ``shuffles`` (``MosaicOptions.work_list_shuffles``), the sort's and the scans'
-  exchanges between lanes that one thread holds (lanes a multiple of 128 apart: registers
-  of the thread) or that one warp holds (lanes fewer than 32 apart with the same
-  register, the sort's butterflies) skip shared memory and its two barriers: a register
-  relabelling or a warp shuffle. Lane i of an ``_layout(n)`` array is register i // 128
-  of thread i % 128 (``WG_STRIDED`` with one element a register); interpret mode runs the
-  same exchanges on that [register, thread] view of the lanes."""
+  With ``shuffles`` (``MosaicOptions.work_list_shuffles``), exchanges between lanes that
+  one thread holds (lanes a multiple of 128 apart: the thread's registers) or one warp
+  holds (lanes fewer than 32 apart in one register) skip shared memory and its two
+  barriers: the sort's steps become register relabellings and warp butterflies, and the
+  scans run in two levels (``_segmented_scan``: warp shuffles, then each warp segment's
+  carry from the segments' totals, two barriers in all). Lane i of an ``_layout(n)``
+  array is register i // 128 of thread i % 128 (``WG_STRIDED`` with one element a
+  register), so a warp's segment is lanes [32 s, 32 s + 32); interpret mode runs the same
+  exchanges on that view of the lanes."""
 
   def __init__(self, interpret: bool, shuffles: bool = False):
     self.interpret = interpret
@@ -150,23 +152,92 @@ class Ops:
     bar()
 
   def scan(self, x, buf, op, identity):
-    """Inclusive prefix scan of x (n lanes) with ``op``; ``buf`` holds 2n int32."""
+    """Inclusive prefix scan of x (n lanes) with ``op`` (``jnp.add`` or ``jnp.maximum``);
+    ``buf`` holds 2n int32."""
     n = x.shape[0]
     lane = _iota(n)
+    if self.shuffles:
+      return self._segmented_scan(x, lane, buf, op, identity)
     self.scatter(buf, lane, lane * 0 + identity)
     k = 1
     while k < n:
-      if self.shuffles and k >= WARPGROUP:  # lane i - k: the thread's register i // 128 - s
-        s = k // WARPGROUP
-        x = op(x, self._registers(x, [r - s if r >= s else None for r in range(n // WARPGROUP)],
-                                  identity))
-      else:
-        self.scatter(buf, lane + n, x)
-        self.sync()
-        x = op(x, self.gather(buf, lane + n - k))
-        self.sync()
+      self.scatter(buf, lane + n, x)
+      self.sync()
+      x = op(x, self.gather(buf, lane + n - k))
+      self.sync()
       k *= 2
     return x
+
+  def _segmented_scan(self, x, lane, buf, op, identity):
+    """``scan`` in two levels: each warp's 32 lanes of a register (a segment) by warp
+    shuffles, then each lane combined with the segments before its own, whose totals
+    (the segments' last lanes) go through shared memory once: two barriers instead of two
+    a doubling round."""
+    k = 1
+    while k < WARP:  # lane i - k within the segment, else the identity
+      x = op(x, jnp.where(lax.rem(lane, WARP) >= k, self._shuffle_up(x, k), identity))
+      k *= 2
+    segments = x.shape[0] // WARP
+    last = lax.rem(lane, WARP) == WARP - 1  # (the other lanes write one spare slot)
+    self.scatter(buf, jnp.where(last, lax.div(lane, WARP), segments), x)
+    self.sync()
+    carry = self._segment_carries(x, buf, segments, op, identity)
+    self.sync()
+    return op(carry, x)
+
+  def _shuffle_up(self, x, k):
+    """Each lane's ``x`` k lanes down its segment (``shfl.sync.up``; the segment's first k
+    lanes get their own)."""
+    n = x.shape[0]
+    if self.interpret:
+      seg = x.reshape(n // WARP, WARP)
+      return jnp.concatenate([seg[:, :k], seg[:, :WARP - k]], axis=1).reshape(n)
+    x = plgpu.layout_cast(x, _layout(n))
+
+    @plgpu.inline_mgpu(arg_types=(_layout(n),),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
+    def shuffle(_, a):
+      i32 = ir.IntegerType.get_signless(32)
+      regs = []
+      for reg in a.registers.flat:
+        y = nvvm.shfl_sync(arith.constant(i32, -1), vector.extract(reg, [], [0]),
+                           arith.constant(i32, k), arith.constant(i32, 0), nvvm.ShflKind.up)
+        regs.append(vector.broadcast(reg.type, y))
+      return _from_registers(a, regs)
+
+    return shuffle(x)
+
+  def _segment_carries(self, x, buf, segments, op, identity):
+    """Each lane's ``op`` of the totals (``buf[:segments]``) of the segments before its
+    own (segment i // 32), ``identity`` for the first; ``x`` gives the layout."""
+    n = x.shape[0]
+    if self.interpret:
+      totals = buf[...][:segments]
+      before = jnp.concatenate([jnp.full((1,), identity, jnp.int32), totals[:-1]])
+      cumulative = (jnp.cumsum(before) if op is jnp.add
+                    else lax.cummax(before, axis=0))
+      return jnp.repeat(cumulative, WARP)
+    x = plgpu.layout_cast(x, _layout(n))
+    combine = {id(jnp.add): arith.addi, id(jnp.maximum): arith.maxsi}[id(op)]
+
+    @plgpu.inline_mgpu(arg_types=(primitives.read_only_ref(), _layout(n)),
+                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
+    def carries(_, totals, a):
+      # Thread t's register r holds lanes 128 r + t: segment 4 r + w, w = t's warp (0-3).
+      i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+      warps = WARPGROUP // WARP
+      w = arith.remui(mgpu.utils.warp_idx(sync=False), arith.constant(i32, warps))
+      running = arith.constant(i32, identity)
+      found = [running] * (segments // warps)
+      for seg in range(segments):  # every thread reads every total (one address a load)
+        r, sw = divmod(seg, warps)
+        found[r] = arith.select(arith.cmpi(arith.CmpIPredicate.eq, w,
+                                           arith.constant(i32, sw)), running, found[r])
+        running = combine(running, memref.load(totals, [arith.constant(index, seg)]))
+      return _from_registers(a, [vector.broadcast(reg.type, v)
+                                 for reg, v in zip(a.registers.flat, found)])
+
+    return carries(buf, x)
 
   def in_thread_or_warp(self, j):
     """Whether ``xor`` exchanges lanes j apart without shared memory."""
@@ -179,25 +250,20 @@ class Ops:
       return self._registers(v, [r ^ s for r in range(v.shape[0] // WARPGROUP)])
     return self._shuffle_xor(v, j)
 
-  def _registers(self, x, sources, identity=0):
+  def _registers(self, x, sources):
     """The lanes of ``x`` with each thread's register r replaced by its register
-    ``sources[r]`` (``identity`` where that is None)."""
+    ``sources[r]``."""
     n = x.shape[0]
     if self.interpret:
       regs = x.reshape(n // WARPGROUP, WARPGROUP)
-      return jnp.concatenate([jnp.full((1, WARPGROUP), identity, x.dtype) if r is None
-                              else regs[r:r + 1] for r in sources]).reshape(n)
+      return jnp.concatenate([regs[r:r + 1] for r in sources]).reshape(n)
     x = plgpu.layout_cast(x, _layout(n))
 
     @plgpu.inline_mgpu(arg_types=(_layout(n),),
                        return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
     def relabel(_, a):
       regs = list(a.registers.flat)
-      const = None
-      if None in sources:
-        i32 = ir.IntegerType.get_signless(32)
-        const = vector.broadcast(regs[0].type, arith.constant(i32, identity))
-      return _from_registers(a, [const if r is None else regs[r] for r in sources])
+      return _from_registers(a, [regs[r] for r in sources])
 
     return relabel(x)
 
