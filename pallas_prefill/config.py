@@ -183,14 +183,16 @@ class MosaicOptions:
       skew16_16k, MLA short64 level, MHA long16384 with three warpgroups 0.946x:
       BUILD_NOTES.md, thirty-fifth session).
     work_list_shuffles: the work list's kernel (``build_work_list``) exchanges lanes that
-      one thread or one warp holds without shared memory: its bitonic sort's steps between
-      lanes 128 or more apart as a relabelling of each thread's registers, those fewer
-      than 32 apart as warp shuffles, and its scans' rounds 128 lanes or more apart from
-      registers (``work_items.Ops``). The same table and scalars. Of a 1024-lane sort's 55
-      steps (each two warpgroup barriers and a store and a load of shared memory a lane)
-      46 leave shared memory: the padded calls' lanes (padded MHA skew16_16k's work list
-      is 1024 lanes, 27.6 us on the H200 against the packed call's 256 lanes in 9.2 us,
-      ncu, thirty-seventh session). Off: not yet run on a GPU (forty-eighth session).
+      one thread or one warp holds without shared memory (``work_items.Ops``): its
+      bitonic sort's steps between lanes 128 or more apart as a relabelling of each
+      thread's registers, those fewer than 32 apart as warp butterflies, and its prefix
+      scans in two levels (warp shuffles, then each warp's carry from the others' totals
+      through shared memory once). The same table and scalars. Each exchange through
+      shared memory costs two warpgroup barriers: a 512-lane work list's kernel goes from
+      168 to 40 (``test_work_list_shuffles_leave_shared_memory``). The padded calls' lists
+      are the long ones (padded MHA skew16_16k's is 1024 lanes, 27.6 us on the H200
+      against the packed call's 256 lanes in 9.2 us, ncu, thirty-seventh session). Off:
+      not yet run on a GPU (forty-eighth session).
   """
 
   dynamic: bool = True

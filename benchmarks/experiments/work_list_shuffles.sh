@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # On the H200 (the device tool runs it from the repo root; written in the forty-eighth
 # session, not yet run), one device call for MosaicOptions.work_list_shuffles (the work
-# list kernel's sort and scan exchanges within a thread or a warp without shared memory):
-# its GPU tests (the compiled kernel's table and scalars against XLA's, bit for bit, with
-# and without the option); ncu's duration of each kernel of one MHA call, packed and
-# padded (`dot_product_attention`, the 1024-lane work list) on skew16_16k and short64,
-# off and on (prediction: padded skew16_16k's work list kernel 27.6 us -> 18-22 us, the
-# packed one's 9.2 -> 7-8 us); then the option's arms in one process, 3 rounds in turns
-# (prediction: padded skew16_16k 1.01x-1.015x, packed calls 1.000x-1.01x). Results in
-# $OUT (or ./h200-out). SKIP_TESTS=1 / SKIP_NCU=1 leave those parts out.
+# list kernel's sort steps and scans within a thread or a warp without shared memory: 210
+# warpgroup barriers -> 46 on padded skew16_16k's 1024 lanes, 164 -> 38 on a packed
+# call's 256): its GPU tests (the compiled kernel's table and scalars against XLA's, bit
+# for bit, with and without the option); ncu's duration of each kernel of one MHA call,
+# packed and padded (`dot_product_attention`) on skew16_16k and short64, off and on
+# (prediction: padded skew16_16k's work list kernel 27.6 us -> 18-22 us, a packed one's
+# 9.2 -> 5-7 us); then the option's arms in one process, 3 rounds in turns (prediction:
+# padded skew16_16k 1.010x-1.017x, short64 1.01x-1.015x, packed skew16_16k 1.003x-1.007x).
+# Results in $OUT (or ./h200-out). SKIP_TESTS=1 / SKIP_NCU=1 leave those parts out.
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"
