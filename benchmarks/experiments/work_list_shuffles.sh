@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the H200 (the device tool runs it from the repo root; written in the forty-eighth
 # session, not yet run), one device call for MosaicOptions.work_list_shuffles (the work
-# list kernel's sort steps and scans within a thread or a warp without shared memory: 210
-# warpgroup barriers -> 46 on padded skew16_16k's 1024 lanes, 164 -> 38 on a packed
+# list kernel's sort steps and scans within a thread or a warp without shared memory: 216
+# warpgroup barriers -> 52 on padded skew16_16k's 1024 lanes, 170 -> 44 on a packed
 # call's 256): its GPU tests (the compiled kernel's table and scalars against XLA's, bit
 # for bit, with and without the option); ncu's duration of each kernel of one MHA call,
 # packed and padded (`dot_product_attention`) on skew16_16k and short64, off and on
