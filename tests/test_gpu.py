@@ -213,7 +213,7 @@ def test_mosaic_work_items_match_xla(case):
 @pytest.mark.parametrize("case", test_work_items.SHUFFLE_CASES, ids=lambda c: c.name)
 def test_mosaic_work_items_with_shuffles_match_xla(case, dynamic):
   """The same with ``MosaicOptions.work_list_shuffles``: registers relabelled and warp
-  shuffles (``shfl.sync.bfly``) where lanes of one thread or one warp meet."""
+  shuffles (``shfl.sync.bfly`` and ``.up``) where lanes of one thread or one warp meet."""
   for seed in range(3):
     test_work_items.check_work_items(case, interpret=False, seed=seed, dynamic=dynamic,
                                      shuffles=True)

@@ -210,8 +210,8 @@ def test_work_items_dynamic_order(case, keyless_apart):
 @pytest.mark.parametrize("case", SHUFFLE_CASES, ids=lambda c: c.name)
 def test_work_items_with_shuffles(case, dynamic):
   """``work_list_shuffles``' exchanges (each thread's registers relabelled, warp
-  butterflies, on the [register, thread] view of the lanes that the compiled kernel's
-  layout has): the same table and scalars as XLA's."""
+  butterflies, the scans by warp segments and their carries, on the view of the lanes
+  that the compiled kernel's layout has): the same table and scalars as XLA's."""
   check_work_items(case, interpret=True, dynamic=dynamic, shuffles=True)
 
 
