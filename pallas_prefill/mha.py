@@ -142,12 +142,12 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
                       batch=input_row_offsets.shape[0] - 1, num_kv_heads=k.shape[-2])
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  impl = partitioning.implementation(jitted_mha_prefill, q, k, v, input_row_offsets,
-                                     kv_input_row_offsets, sink_weights)
+  operands = (q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales)
+  impl = partitioning.implementation(jitted_mha_prefill, *operands)
   return impl(
-      q, k, v, input_row_offsets, kv_input_row_offsets, sink_weights, scales,
+      *operands,
       **dispatch.static_options(
-          q, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          q, operands=operands, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 

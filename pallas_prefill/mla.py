@@ -122,12 +122,12 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
                       names=("q", "k_nope", "v"))
   if scales is not None and output_dtype is None:
     output_dtype = fp8.output_dtype_for(q.dtype)
-  impl = partitioning.implementation(jitted_mla_prefill, q, k_nope, k_rope, v,
-                                     input_row_offsets, kv_input_row_offsets)
+  operands = (q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales)
+  impl = partitioning.implementation(jitted_mla_prefill, *operands)
   return impl(
-      q, k_nope, k_rope, v, input_row_offsets, kv_input_row_offsets, scales,
+      *operands,
       **dispatch.static_options(
-          q, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
+          q, operands=operands, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
           output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 

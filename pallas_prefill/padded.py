@@ -339,13 +339,13 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
   val.check_options(max_prompt_len=max(t, 1), mask=mask, scale=scale,
                     output_dtype=output_dtype, config=config, interpret=interpret,
                     backend=backend, logits_soft_cap=logits_soft_cap)
+  operands = (query, key, value, *layout[1:], sink_weights, scales)
   static = dispatch.static_options(
-      query, depth=head_dim, max_prompt_len=max(t, 1), mask=mask, scale=scale,
-      output_dtype=output_dtype, return_lse=return_lse, config=config, interpret=interpret,
-      backend=backend, logits_soft_cap=logits_soft_cap)
-  impl = partitioning.implementation(_padded_attention, query, key, value, *layout[1:],
-                                     sink_weights)
-  return impl(query, key, value, *layout[1:], sink_weights, scales,
+      query, operands=operands, depth=head_dim, max_prompt_len=max(t, 1), mask=mask,
+      scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=config,
+      interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap)
+  impl = partitioning.implementation(_padded_attention, *operands)
+  return impl(*operands,
               segments=layout[0] == "segments", padding_segment_id=padding_segment_id,
               max_segments=max_segments, **static)
 

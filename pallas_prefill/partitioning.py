@@ -113,6 +113,18 @@ def batched(*operands) -> bool:
   return any(getattr(x, "batch_dim", None) is not None for x in jax.tree.leaves(operands))
 
 
+def traced(*operands) -> bool:
+  """Whether any operand is a value of a program being traced (``jax.jit``,
+  ``jax.eval_shape``), seen through ``jax.vmap``'s tracers to the values they batch: an
+  eager vmap's are concrete."""
+  for x in jax.tree.leaves(operands):
+    while hasattr(x, "batch_dim") and hasattr(x, "val"):  # a BatchTracer
+      x = x.val
+    if isinstance(x, jax.core.Tracer):
+      return True
+  return False
+
+
 def implementation(jitted, *operands):
   """An entry point's jitted implementation for these operands: under ``jax.vmap``
   (``batched``) the function it wraps, so that the batched call runs unpartitioned;
@@ -201,8 +213,12 @@ def _on_explicit_mesh(fn, treedef, leaves, leaf_roles, out_roles, mesh, *, num_h
     return fn(*jax.tree.unflatten(treedef, shards), **pinned)
 
   leaves = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(leaves, in_specs)]
+  # check_vma=False: Pallas' interpreter reads a ref that varies over the mesh (an FP8
+  # scale split over heads) at an index that does not (a program id), and its
+  # dynamic_slice refuses the mix; the specs above say where everything goes.
   return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
-                       out_specs=out_specs if len(out_specs) > 1 else out_specs[0])(*leaves)
+                       out_specs=out_specs if len(out_specs) > 1 else out_specs[0],
+                       check_vma=False)(*leaves)
 
 
 def _head_factor(role, heads, num_kv_heads, group):

@@ -330,6 +330,16 @@ def test_entry_points_under_jax_enable_x64(entry):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     with jax.enable_x64(True), pytest.raises(NotImplementedError, match="jax_enable_x64"):
       jax.jit(lambda *a: call(*a, interpret=True))(*arrays)
+    # also where the jit's values reach the call through jax.vmap, or only its offsets
+    # or lengths are traced
+    stacked = [jnp.stack([a, a]) for a in arrays]
+    with jax.enable_x64(True):  # an eager vmap runs (the interpreter in 32 bits)
+      got = jax.vmap(lambda *a: call(*a, interpret=True))(*stacked)
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want, np.float32))
+    with jax.enable_x64(True), pytest.raises(NotImplementedError, match="jax_enable_x64"):
+      jax.jit(jax.vmap(lambda *a: call(*a, interpret=True)))(*stacked)
+    with jax.enable_x64(True), pytest.raises(NotImplementedError, match="jax_enable_x64"):
+      jax.jit(lambda o: call(*arrays[:-1], o, interpret=True))(arrays[-1])
   abstract = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if a.dtype == np.float32 else
                                    a.dtype) for a in args]
   with jax.enable_x64(True):

@@ -159,3 +159,49 @@ def test_vmap_on_a_host_of_several_devices(entry):
   for i in range(2):
     np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(single[i]), rtol=1e-5,
                                atol=1e-5)
+
+
+def _fp8_mha(rng):
+  """An FP8 MHA call's operands (8 query heads over 4 K/V heads, e4m3 K/V)."""
+  x = lambda *shape: jax.numpy.asarray(rng.standard_normal(shape), "float32")  # noqa: E731
+  e4m3 = jax.numpy.float8_e4m3fn
+  return (x(24, 8, 16).astype("bfloat16"), x(24, 4, 16).astype(e4m3),
+          x(24, 4, 16).astype(e4m3), jax.numpy.asarray([0, 10, 24], "int32"))
+
+
+def test_vmap_over_fp8_scales_alone_on_a_host_of_several_devices():
+  """``jax.vmap`` over the FP8 scales only (q, K, V and offsets shared) on 4 devices: the
+  scales count among the operands that make a call batched (``partitioning.batched``),
+  so it runs unpartitioned (custom_partitioning has no batching rule) and each lane
+  equals the call with its scales."""
+  q, k, v, off = _fp8_mha(np.random.default_rng(cases.fresh_seed()))
+  scales = jax.numpy.asarray([[0.5, 1.0, 2.0, 0.25], [1.5, 0.75, 1.0, 3.0]], "float32")
+  fn = lambda s: pp.mha_prefill(q, k, v, off, max_prompt_len=16, k_scale=s,  # noqa: E731
+                                v_scale=0.5, config=CONFIG)
+  batched = jax.vmap(fn)(scales)
+  for i in range(2):
+    want = pp.reference.mha_prefill_reference(q, k, v, off, max_prompt_len=16,
+                                              k_scale=scales[i], v_scale=0.5)
+    assert_close = np.testing.assert_allclose
+    assert_close(np.asarray(batched[i], np.float32), np.asarray(fn(scales[i]), np.float32),
+                 rtol=1e-5, atol=1e-5)
+    err = np.max(np.abs(np.asarray(batched[i], np.float32) - np.asarray(want, np.float32)))
+    assert err <= 2e-2 * np.max(np.abs(np.asarray(want, np.float32))), err
+
+
+def test_fp8_over_explicit_mesh_axes():
+  """An FP8 call over head-sharded operands on a mesh with Explicit axes runs per device
+  in ``partitioning._on_explicit_mesh``'s shard_map, its scales split with the K/V heads
+  (Pallas' interpreter reads them at program-id indices: that shard_map does not check
+  varying axes), and equals the single-device call, eager and under jit."""
+  q, k, v, off = _fp8_mha(np.random.default_rng(cases.fresh_seed()))
+  kw = dict(max_prompt_len=16, k_scale=jax.numpy.asarray([0.5, 1.0, 2.0, 0.25]),
+            v_scale=2.0, config=CONFIG)
+  single = pp.mha_prefill(q, k, v, off, **kw)
+  m = mesh(4, explicit=True)
+  sharded = [put(m, x, HEAD) for x in (q, k, v)]
+  eager = pp.mha_prefill(*sharded, off, **kw)
+  jitted = jax.jit(lambda *a: pp.mha_prefill(*a, off, **kw))(*sharded)
+  for out in (eager, jitted):
+    assert_same(out, single)
+    assert out.sharding.spec[1] == "x", out.sharding
