@@ -207,8 +207,8 @@ def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, retur
   interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
   if interpret and jax.config.jax_enable_x64 and partitioning.traced(q, operands):
     # (``partitioning.implementation`` traces the kernels in 32 bits, but the interpreter
-    # runs when the outer jit lowers, outside that)
-    # (``jax.eval_shape`` traces as jit does and cannot be told apart here)
+    # runs when the outer jit lowers, outside that; ``jax.eval_shape`` traces as jit
+    # does and cannot be told apart here)
     raise NotImplementedError(
         "interpret mode inside jax.jit (or jax.eval_shape) with jax_enable_x64 on: "
         "Pallas' interpreter indexes in int64 there and fails; call the entry point "

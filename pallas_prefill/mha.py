@@ -113,8 +113,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       cache longer than its pages, or a V whose block table or cache lengths differ from
       K's; concrete sink weights that are not finite or above 1e38; concrete FP8 scales,
       or an FP8 q's q_scale * k_scale, that are not finite or below float32's smallest
-      normal, 1.18e-38, which a GPU flushes to zero). Under jit nothing checks these values; the kernel
-      clamps every index, so garbage offsets, page ids or cache lengths give garbage rows
+      normal, 1.18e-38, which a GPU flushes to zero). Under jit nothing checks these
+      values; the kernel clamps every index, so garbage offsets, page ids or cache lengths give garbage rows
       but never an access outside the arrays, nor NaN where the arrays (every page
       included) hold none: garbage ranges may reach rows past the last key, which valid
       calls never read.
@@ -147,8 +147,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
   return impl(
       *operands,
       **dispatch.static_options(
-          q, operands=operands, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          q, operands=operands, depth=head_dim, max_prompt_len=max_prompt_len, mask=mask,
+          scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 

@@ -127,8 +127,8 @@ def mla_prefill(q, k_nope, k_rope, v, input_row_offsets, *, max_prompt_len,
   return impl(
       *operands,
       **dispatch.static_options(
-          q, operands=operands, depth=depth, max_prompt_len=max_prompt_len, mask=mask, scale=scale,
-          output_dtype=output_dtype, return_lse=return_lse, config=config,
+          q, operands=operands, depth=depth, max_prompt_len=max_prompt_len, mask=mask,
+          scale=scale, output_dtype=output_dtype, return_lse=return_lse, config=config,
           interpret=interpret, backend=backend, logits_soft_cap=logits_soft_cap))
 
 
