@@ -12,8 +12,8 @@ Mosaic GPU's arrays have no gather or scatter, so ``Ops.gather`` and ``Ops.scatt
 shared or global memory ref per element (one load or store per thread and register);
 prefix scans are Hillis-Steele rounds through shared memory, and the sort heaviest first
 is a bitonic sort of (key, item) packed into one int32 (``MosaicOptions.work_list_shuffles``
-moves the exchanges within a thread or a warp out of shared memory: ``Ops``). In interpret mode (the CPU tests)
-the same code runs on plain arrays.
+moves the exchanges within a thread or a warp out of shared memory: ``Ops``). In
+interpret mode (the CPU tests) the same code runs on plain arrays.
 """
 
 from __future__ import annotations
