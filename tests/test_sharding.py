@@ -182,9 +182,8 @@ def test_vmap_over_fp8_scales_alone_on_a_host_of_several_devices():
   for i in range(2):
     want = pp.reference.mha_prefill_reference(q, k, v, off, max_prompt_len=16,
                                               k_scale=scales[i], v_scale=0.5)
-    assert_close = np.testing.assert_allclose
-    assert_close(np.asarray(batched[i], np.float32), np.asarray(fn(scales[i]), np.float32),
-                 rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batched[i], np.float32),
+                               np.asarray(fn(scales[i]), np.float32), rtol=1e-5, atol=1e-5)
     err = np.max(np.abs(np.asarray(batched[i], np.float32) - np.asarray(want, np.float32)))
     assert err <= 2e-2 * np.max(np.abs(np.asarray(want, np.float32))), err
 
