@@ -185,8 +185,8 @@ def test_work_items_match_xla_in_interpret_mode(case):
 DYNAMIC_CASES = [*WORK_CASES[:3], WORK_CASES[8], *WORK_CASES[-2:]]
 
 # ``dot_product_attention``'s layout of padded MHA skew16_16k (``padded.ragged_layout``:
-# per batch row an empty lead, the run, the padding after it, which has no keys): 560
-# items, a 1024-lane sort (its steps 128, 256 and 512 lanes apart among them)
+# per batch row an empty lead, the run, the padding after it, which has no keys): 565
+# item slots, a 1024-lane sort (its steps 128, 256 and 512 lanes apart among them)
 _SKEW = (4096, 2048, 1800, 1500, 1200, 1000, 900, 800, 700, 600, 500, 400, 300, 200, 100, 37)
 PADDED_SKEW_CASE = WorkCase(tuple(x for n in _SKEW for x in (0, n, 4096 - n)),
                             kv_lens=tuple(x for n in _SKEW for x in (0, n, 0)), extra_rows=0)
