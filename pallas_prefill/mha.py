@@ -116,8 +116,8 @@ def mha_prefill(q, k, v, input_row_offsets, *, max_prompt_len, kv_input_row_offs
       normal, 1.18e-38, which a GPU flushes to zero). Under jit nothing checks these
       values; the kernel clamps every index, so garbage offsets, page ids or cache
       lengths give garbage rows but never an access outside the arrays, nor NaN where
-      the arrays (every page included) hold none: garbage ranges may reach rows past the last key, which valid
-      calls never read.
+      the arrays (every page included) hold none: garbage ranges may reach rows past the
+      last key, which valid calls never read.
   """
   val.check_forward_only("mha_prefill", dict(q=q, k=k, v=v, sink_weights=sink_weights,
                                              q_scale=q_scale, k_scale=k_scale,

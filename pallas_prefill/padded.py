@@ -312,8 +312,8 @@ def dot_product_attention(query, key, value, *, query_seq_lengths=None,
       that are not finite or above 1e38 and concrete FP8 scales (or an FP8 query's
       q_scale * k_scale) that are not finite or below float32's smallest normal; more
       than 65535 sequences in all (batch * (2 * max_segments + 1), a launch grid's
-      limit). Under jit nothing checks values: lengths and runs are
-      clamped, so garbage gives garbage rows but no access outside the arrays or NaN.
+      limit). Under jit nothing checks values: lengths and runs are clamped, so garbage
+      gives garbage rows but no access outside the arrays or NaN.
     NotImplementedError: backend="mosaic_gpu" for a call that kernel cannot serve; an
       operand being differentiated (the kernels are forward only).
   """

@@ -84,6 +84,25 @@ def _from_registers(x, regs):
                               _layout=x.layout, _is_signed=True)
 
 
+def _map_registers(x, fn):
+  """The int32 lanes of ``x`` with each thread's registers (vector<1xi32>, in order)
+  replaced by ``fn`` of their list: compiled code that moves values between registers or
+  lanes without memory."""
+  n = x.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(_layout(n),),
+                     return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
+  def mapped(_, a):
+    return _from_registers(a, fn(list(a.registers.flat)))
+
+  return mapped(plgpu.layout_cast(x, _layout(n)))
+
+
+def _each_value(regs, fn):
+  """``fn`` of each register's int32 value (inside ``_map_registers``' fn)."""
+  return [vector.broadcast(reg.type, fn(vector.extract(reg, [], [0]))) for reg in regs]
+
+
 class Ops:
   """Per-element memory access and the warpgroup barrier, compiled (``inline_mgpu``) or
   in interpret mode (plain arrays).
@@ -193,20 +212,13 @@ class Ops:
     if self.interpret:
       seg = x.reshape(n // WARP, WARP)
       return jnp.concatenate([seg[:, :k], seg[:, :WARP - k]], axis=1).reshape(n)
-    x = plgpu.layout_cast(x, _layout(n))
 
-    @plgpu.inline_mgpu(arg_types=(_layout(n),),
-                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
-    def shuffle(_, a):
+    def up(value):
       i32 = ir.IntegerType.get_signless(32)
-      regs = []
-      for reg in a.registers.flat:
-        y = nvvm.shfl_sync(arith.constant(i32, -1), vector.extract(reg, [], [0]),
-                           arith.constant(i32, k), arith.constant(i32, 0), nvvm.ShflKind.up)
-        regs.append(vector.broadcast(reg.type, y))
-      return _from_registers(a, regs)
+      return nvvm.shfl_sync(arith.constant(i32, -1), value, arith.constant(i32, k),
+                            arith.constant(i32, 0), nvvm.ShflKind.up)
 
-    return shuffle(x)
+    return _map_registers(x, lambda regs: _each_value(regs, up))
 
   def _segment_carries(self, x, buf, segments, op, identity):
     """Each lane's ``op`` of the totals (``buf[:segments]``) of the segments before its
@@ -258,33 +270,15 @@ class Ops:
     if self.interpret:
       regs = x.reshape(n // WARPGROUP, WARPGROUP)
       return jnp.concatenate([regs[r:r + 1] for r in sources]).reshape(n)
-    x = plgpu.layout_cast(x, _layout(n))
-
-    @plgpu.inline_mgpu(arg_types=(_layout(n),),
-                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
-    def relabel(_, a):
-      regs = list(a.registers.flat)
-      return _from_registers(a, [regs[r] for r in sources])
-
-    return relabel(x)
+    return _map_registers(x, lambda regs: [regs[r] for r in sources])
 
   def _shuffle_xor(self, x, j):
     """Each lane i's ``x[i ^ j]`` for j < 32: within the warp (``shfl.sync.bfly``)."""
     n = x.shape[0]
     if self.interpret:  # thread t ^ j: the two halves of each 2j threads swapped
       return jnp.flip(x.reshape(n // WARPGROUP, WARPGROUP // (2 * j), 2, j), 2).reshape(n)
-    x = plgpu.layout_cast(x, _layout(n))
-
-    @plgpu.inline_mgpu(arg_types=(_layout(n),),
-                       return_type=plgpu.ShapeDtypeStruct((n,), jnp.int32, layout=_layout(n)))
-    def shuffle(_, a):
-      regs = []
-      for reg in a.registers.flat:
-        y = mgpu.utils.shfl_bfly(vector.extract(reg, [], [0]), j)
-        regs.append(vector.broadcast(reg.type, y))
-      return _from_registers(a, regs)
-
-    return shuffle(x)
+    return _map_registers(
+        x, lambda regs: _each_value(regs, lambda value: mgpu.utils.shfl_bfly(value, j)))
 
 
 def _unit_order(ops, cost, sort_buf, i, n_live, *, n_items, num_heads, group,
