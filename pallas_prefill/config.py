@@ -190,9 +190,18 @@ class MosaicOptions:
       through shared memory once). The same table and scalars. Each exchange through
       shared memory costs two warpgroup barriers: a 512-lane work list's kernel goes from
       168 to 40 (``test_work_list_shuffles_leave_shared_memory``). The padded calls' lists
-      are the long ones (padded MHA skew16_16k's is 1024 lanes, 27.6 us on the H200
-      against the packed call's 256 lanes in 9.2 us, ncu, thirty-seventh session). Off:
-      not yet run on a GPU (forty-eighth session).
+      are the long ones (padded MHA skew16_16k's is 1024 lanes, against the packed
+      call's 256). On: ncu put the kernel 0.9-1.4 us faster on each of packed and padded
+      MHA skew16_16k and short64 (an H100: 10.2 -> 9.4, 26.0 -> 24.6, 10.0 -> 8.9, 14.9
+      -> 13.8 us), not the 5-10 us predicted: the barriers were not the kernel's time
+      (BUILD_NOTES.md, forty-ninth session).
+    work_list_staged_table: the work list's kernel writes its table (items x columns,
+      row-major) into shared memory first and then out in the order of its words, so
+      that each warp's global stores are 32 consecutive words; without it each store
+      instruction writes one column of 32 items, 32 lines apart. The same table. The
+      table's stores are 137 of the padded MHA skew16_16k kernel's 4972 instructions a
+      warp (17 columns x 8 registers, each 32 lines). Off: not yet run on a GPU
+      (forty-ninth session).
   """
 
   dynamic: bool = True
@@ -214,14 +223,16 @@ class MosaicOptions:
   column_mask: bool = False
   column_lo_static: bool = False
   narrow_last_tile: bool = False
-  work_list_shuffles: bool = False
+  work_list_shuffles: bool = True
+  work_list_staged_table: bool = False
 
   def __post_init__(self):
     for name in ("dynamic", "build_work_list", "fold_scale", "tile_spans_pages",
                  "skip_keyless_q", "batch_invariant", "fp8_vt_kernel", "soft_cap_fixed_max",
                  "soft_cap_scaled_q", "fp8_p_registers", "fp8_native_pages",
                  "row_sum_first", "q_per_tile", "column_mask",
-                 "column_lo_static", "narrow_last_tile", "work_list_shuffles"):
+                 "column_lo_static", "narrow_last_tile", "work_list_shuffles",
+                 "work_list_staged_table"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicOptions.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("head_major", "deal"):

@@ -763,7 +763,7 @@ def test_ncu_source_summary_reads_a_source_page(tmp_path, capsys):
   """benchmarks.experiments.ncu_source_summary on a gzipped ncu source page (ncu's own
   lines first, a work-list kernel before the attention kernel): the last Mosaic GPU
   kernel's samples by reason and opcode (predicates and modifiers dropped), its hottest
-  instruction first."""
+  instruction first; ``--kernel 0`` the first's (the work list's)."""
   import gzip  # pylint: disable=g-import-not-at-top
   from benchmarks.experiments import ncu_source_summary  # pylint: disable=g-import-not-at-top
   header = ('"Address","Source","Warp Stall Sampling (All Samples)",'
@@ -785,6 +785,12 @@ def test_ncu_source_summary_reads_a_source_page(tmp_path, capsys):
   assert out[2] == "  by opcode: HGMMA 7, BRA 6", out
   assert out[3].startswith("  000b0      7 samples, long_sb     0, executed        8: HGMMA"), out
   assert len(out) == 4
+  ncu_source_summary.main([str(path), "--top", "1", "--kernel", "0"])  # the work list's
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith("Mosaic GPU kernel 0 of 2: 99 samples, 1 instructions"), out
+  assert out[1] == "  by reason: long_sb 99, wait 0", out
+  ncu_source_summary.main([str(path), "--kernel", "2"])
+  assert capsys.readouterr().out.strip().endswith("2 Mosaic GPU kernels, no kernel 2")
 
 
 def test_arms_experiment_times_arms_in_turns(tmp_path, monkeypatch, capsys):

@@ -209,6 +209,15 @@ def test_mosaic_work_items_match_xla(case):
     test_work_items.check_work_items(case, interpret=False, seed=seed)
 
 
+@pytest.mark.parametrize("case", test_work_items.SHUFFLE_CASES, ids=lambda c: c.name)
+def test_mosaic_work_items_with_a_staged_table_match_xla(case):
+  """The same with ``MosaicOptions.work_list_staged_table`` (and the shuffles, the
+  default): the table through shared memory, then coalesced stores."""
+  for seed in range(3):
+    test_work_items.check_work_items(case, interpret=False, seed=seed, dynamic=True,
+                                     shuffles=True, staged_table=True)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("case", test_work_items.SHUFFLE_CASES, ids=lambda c: c.name)
 def test_mosaic_work_items_with_shuffles_match_xla(case, dynamic):

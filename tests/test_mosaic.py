@@ -1161,11 +1161,14 @@ LOWERED = [
         options=pp.MosaicOptions(keyless_units="bulk"))),
     Lowered(kind="mla", heads=16, kv_heads=16, total_q=1001, config=pp.MosaicConfig(
         block_kv=64, options=pp.MosaicOptions(keyless_units="bulk", dynamic=False))),
-    # MosaicOptions.work_list_shuffles: the work list's kernel (no LSE) exchanging lanes
-    # by registers and warp shuffles: 128 lanes, and 512 (steps 128 and 256 lanes apart)
-    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(work_list_shuffles=True))),
+    # MosaicOptions.work_list_shuffles=False: the work list's kernel (no LSE) exchanging
+    # every lane through shared memory: 128 lanes, and 512
+    Lowered(config=pp.MosaicConfig(options=pp.MosaicOptions(work_list_shuffles=False))),
     Lowered(total_q=40000, total_kv=40000, config=pp.MosaicConfig(
-        options=pp.MosaicOptions(work_list_shuffles=True, dynamic=False))),
+        options=pp.MosaicOptions(work_list_shuffles=False, dynamic=False))),
+    # MosaicOptions.work_list_staged_table: the table through shared memory (512 lanes)
+    Lowered(total_q=40000, total_kv=40000, config=pp.MosaicConfig(
+        options=pp.MosaicOptions(work_list_staged_table=True))),
     # Issue 25: the aligned KV tiles behind MosaicOptions(batch_invariant=False)
     Lowered(lse=True, sink=True, total_q=1001, config=pp.MosaicConfig(
         options=pp.MosaicOptions(batch_invariant=False))),

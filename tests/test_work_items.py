@@ -97,7 +97,7 @@ def _offsets(lens):
 
 
 def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=False,
-                     keyless_apart=True, shuffles=False):
+                     keyless_apart=True, shuffles=False, staged_table=False):
   rng = np.random.default_rng(seed)
   off = _offsets(case.lens)
   total_q = int(off[-1]) + case.extra_rows
@@ -137,7 +137,8 @@ def check_work_items(case: WorkCase, interpret: bool, seed: int = 0, dynamic=Fal
   got, scalars = work_items.build(off, kv_rows(kv_off), total_q, total_kv, num_heads=case.heads,
                                   group=case.group, num_programs=programs,
                                   dynamic=dynamic, interpret=interpret,
-                                  keyless_apart=keyless_apart, shuffles=shuffles, **kw)
+                                  keyless_apart=keyless_apart, shuffles=shuffles,
+                                  staged_table=staged_table, **kw)
   got, scalars, table = np.asarray(got), np.asarray(scalars), np.asarray(table)
   assert got.shape[0] >= table.shape[0] and got.shape[1] == table.shape[1]
   np.testing.assert_array_equal(got[:table.shape[0]], table)
@@ -213,6 +214,16 @@ def test_work_items_with_shuffles(case, dynamic):
   butterflies, the scans by warp segments and their carries, on the view of the lanes
   that the compiled kernel's layout has): the same table and scalars as XLA's."""
   check_work_items(case, interpret=True, dynamic=dynamic, shuffles=True)
+
+
+@pytest.mark.parametrize("shuffles", [False, True])
+@pytest.mark.parametrize("case", SHUFFLE_CASES, ids=lambda c: c.name)
+def test_work_items_with_a_staged_table(case, shuffles):
+  """``work_list_staged_table``: the sorted table written row-major into shared memory,
+  then out word by word in order (coalesced stores): the same table and scalars as
+  XLA's, over 128 to 1024 lanes (17 to 22 columns)."""
+  check_work_items(case, interpret=True, dynamic=True, shuffles=shuffles,
+                   staged_table=True)
 
 
 @pytest.mark.parametrize("broken", ["registers", "butterfly", "shuffle_up", "carries"])

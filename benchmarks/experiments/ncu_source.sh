@@ -12,7 +12,8 @@
 # padded default's last 1.10x of the packed time goes). WORKLOAD picks the workload
 # (skew16_16k by default). Results, gzipped CSV (a row per SASS instruction with its
 # stall samples by reason), in $OUT (or ./h200-out) as src-ARM.csv.gz; read them with
-# `python -m benchmarks.experiments.ncu_source_summary FILE...`.
+# `python -m benchmarks.experiments.ncu_source_summary FILE...` (`--kernel 0`: the work
+# list's kernel instead of the attention kernel).
 set -uo pipefail
 out=${OUT:-h200-out}
 mkdir -p "$out"

@@ -1,9 +1,12 @@
 """A short summary of Nsight Compute's source page (a row per SASS instruction with its
 warp stall samples), as ``benchmarks/experiments/ncu_source.sh`` writes it (gzipped):
-for the attention kernel (the last Mosaic GPU kernel of the call), its stall samples in
-all and by reason, by opcode, and the instructions with the most samples.
+for one Mosaic GPU kernel of the call, its stall samples in all and by reason, by
+opcode, and the instructions with the most samples. ``--kernel`` picks it among the
+call's Mosaic GPU kernels in launch order: -1 (the default) the attention kernel, the
+last; 0 the work list's kernel, the first where the call builds its list on the GPU.
 
     python -m benchmarks.experiments.ncu_source_summary A.csv.gz B.csv.gz ... [--top 12]
+        [--kernel -1]
 
 The thirty-eighth session's reading of MHA skew16_16k (BUILD_NOTES.md): the padded
 call's extra samples sit on the zeros' stores (TMA store issue under "first", the zero
@@ -50,11 +53,11 @@ def opcode(sass: str) -> str:
   return words[0].split(".")[0] if words else ""
 
 
-def summary(path: str, top: int) -> str:
+def summary(path: str, top: int, kernel: int = -1) -> str:
   mosaic = [k for k in kernels(path) if k[0].startswith("anonymous_mosaic_gpu_kernel")]
-  if not mosaic:
-    return f"{path}: no Mosaic GPU kernel"
-  _, header, rows = mosaic[-1]
+  if not -len(mosaic) <= kernel < len(mosaic):
+    return f"{path}: {len(mosaic)} Mosaic GPU kernels, no kernel {kernel}"
+  _, header, rows = mosaic[kernel]
   col = {h: i for i, h in enumerate(header)}
   value = lambda r, name: number(r[col[name]]) or 0.0  # noqa: E731  (blank: none)
   reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
@@ -64,7 +67,8 @@ def summary(path: str, top: int) -> str:
   by_op = collections.Counter()
   for r in rows:
     by_op[opcode(r[col["Source"]])] += value(r, ALL)
-  lines = [f"{path}: {total:.0f} samples, {len(rows)} instructions",
+  lines = [f"{path}, Mosaic GPU kernel {kernel} of {len(mosaic)}: {total:.0f} samples, "
+           f"{len(rows)} instructions",
            "  by reason: " + ", ".join(f"{k} {v:.0f}" for k, v in by_reason.most_common(8)),
            "  by opcode: " + ", ".join(f"{k} {v:.0f}" for k, v in by_op.most_common(12))]
   for r in sorted(rows, key=lambda r: -value(r, ALL))[:top]:
@@ -78,8 +82,11 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("files", nargs="+")
   parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--kernel", type=int, default=-1,
+                      help="which Mosaic GPU kernel of the call, in launch order (-1: the "
+                           "last, the attention kernel; 0: the work list's)")
   args = parser.parse_args(argv)
-  print("\n".join(summary(f, args.top) for f in args.files))
+  print("\n".join(summary(f, args.top, args.kernel) for f in args.files))
 
 
 if __name__ == "__main__":

@@ -323,7 +323,8 @@ def operands(q_ops, k_ops, v, q_offsets, kv_rows, sink_weights, *, mask, return_
                                       num_heads=num_heads, group=group,
                                       num_programs=programs, dynamic=options.dynamic,
                                       interpret=interpret, keyless_apart=keyless_apart,
-                                      shuffles=options.work_list_shuffles, **kw)
+                                      shuffles=options.work_list_shuffles,
+                                      staged_table=options.work_list_staged_table, **kw)
     lse_slot, kv_end = None, scalars[L.S_KV_TAIL]
   else:
     table, lse_slot, kv_end, n_live = work_list(q_offsets, kv_rows, total_q, total_kv, **kw)

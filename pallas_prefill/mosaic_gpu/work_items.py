@@ -345,7 +345,8 @@ def _bitonic_sort(ops, v, sort_buf, i, n_items):
 
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
-            top_left, interpret, kv_align, seq_column, keyless_apart, wgs, shuffles):
+            top_left, interpret, kv_align, seq_column, keyless_apart, wgs, shuffles,
+            staged_table):
   refs = list(refs)
   q_off_ref = refs.pop(0)
   kv_start_ref, kv_end_ref = (refs.pop(0), refs.pop(0)) if kv_given else (None, None)
@@ -422,8 +423,20 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     order = lax.rem(_bitonic_sort(ops, v, sort_buf, i, n_items), n_items)
     ops.sync()
     sorted_cols = [ops.gather(col_bufs, c * n_items + order) for c in range(n_cols)]
-    for c, x in enumerate(sorted_cols):
-      ops.scatter(table_ref, i * n_cols + c, x)
+    if staged_table:
+      # The table row-major in shared memory first (over the columns, read above), then
+      # copied out in the order of its words: lane i stores words c * n_items + i, so a
+      # warp's stores are 32 consecutive words (a row at a time, a warp's stores would
+      # touch 32 lines, n_cols words apart).
+      ops.sync()
+      for c, x in enumerate(sorted_cols):
+        ops.scatter(col_bufs, i * n_cols + c, x)
+      ops.sync()
+      for c in range(n_cols):
+        ops.scatter(table_ref, c * n_items + i, ops.gather(col_bufs, c * n_items + i))
+    else:
+      for c, x in enumerate(sorted_cols):
+        ops.scatter(table_ref, i * n_cols + c, x)
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
     tiles = sorted_cols[L.T_HI] - sorted_cols[L.T_LO]
@@ -468,7 +481,7 @@ def total_kv_tiles_bound(total_kv: int, paged_cap: int | None, block_kv: int) ->
 def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num_heads,
           group, num_programs, paged_cache=None, page_tiles=False, dynamic=False,
           top_left=False, interpret=False, kv_align=1, seq_column=False, keyless_apart=False,
-          wgs=L.COMPUTE_WGS, shuffles=False):
+          wgs=L.COMPUTE_WGS, shuffles=False, staged_table=False):
   """``work_list.work_list``'s table and the kernel's scalar operand in one Mosaic GPU
   kernel: (table [items, columns] int32, whose first ``num_work_items`` rows are
   ``work_list``'s and the rest items that run nothing; scalars [128] int32: the items
@@ -479,7 +492,9 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
   ``keyless_apart``: the unit order is picked for the keyed items' units alone (the
   key-less ones run apart: ``MosaicOptions.keyless_units``). ``shuffles``: the sort's and
   scans' exchanges within a thread or a warp without shared memory (``Ops``; the same
-  table and scalars). Only where ``fits``; arguments as ``work_list``'s (``wgs``: the
+  table and scalars). ``staged_table``: the table written row-major into shared memory,
+  then out to global memory in the order of its words (coalesced stores; the same
+  table). Only where ``fits``; arguments as ``work_list``'s (``wgs``: the
   compute warpgroups)."""
   batch = q_offsets.shape[0] - 1
   num_items = xla.num_work_items(total_q, batch, block_q, wgs)
@@ -500,7 +515,7 @@ def build(q_offsets, kv_rows, total_q, total_kv, *, mask, block_q, block_kv, num
       kv_given=paged_cache is None and kv_rows is not None, paged_cap=paged_cap,
       page_tiles=page_tiles, dynamic=dynamic, top_left=top_left, interpret=interpret,
       kv_align=kv_align, seq_column=seq_column, keyless_apart=keyless_apart, wgs=wgs,
-      shuffles=shuffles)
+      shuffles=shuffles, staged_table=staged_table)
   # Lane semantics: the arrays are Mosaic GPU's register arrays as they are, which the
   # element-wise loads and stores and the scalar reductions need (under the default
   # warpgroup semantics, the scalars and the loops over them did not compile on the H200).
