@@ -198,9 +198,9 @@ class MosaicOptions:
     work_list_staged_table: the work list's kernel writes its table (items x columns,
       row-major) into shared memory first and then out in the order of its words, so
       that each warp's global stores are 32 consecutive words; without it each store
-      instruction writes one column of 32 items, 32 lines apart. The same table. The
-      table's stores are 137 of the padded MHA skew16_16k kernel's 4972 instructions a
-      warp (17 columns x 8 registers, each 32 lines). Off: not yet run on a GPU
+      instruction writes one column of 32 items, 32 sectors 17 words apart (17 lines).
+      The same table. The table's stores are 137 of the padded MHA skew16_16k kernel's
+      4972 instructions a warp (17 columns x 8 registers). Off: not yet run on a GPU
       (forty-ninth session).
   """
 

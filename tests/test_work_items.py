@@ -221,7 +221,7 @@ def test_work_items_with_shuffles(case, dynamic):
 def test_work_items_with_a_staged_table(case, shuffles):
   """``work_list_staged_table``: the sorted table written row-major into shared memory,
   then out word by word in order (coalesced stores): the same table and scalars as
-  XLA's, over 128 to 1024 lanes (17 to 22 columns)."""
+  XLA's, over 128 to 1024 lanes (17 to 21 columns)."""
   check_work_items(case, interpret=True, dynamic=True, shuffles=shuffles,
                    staged_table=True)
 

@@ -427,7 +427,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
       # The table row-major in shared memory first (over the columns, read above), then
       # copied out in the order of its words: lane i stores words c * n_items + i, so a
       # warp's stores are 32 consecutive words (a row at a time, a warp's stores would
-      # touch 32 lines, n_cols words apart).
+      # touch 32 sectors, n_cols words apart).
       ops.sync()
       for c, x in enumerate(sorted_cols):
         ops.scatter(col_bufs, i * n_cols + c, x)
