@@ -196,16 +196,16 @@ STATIC_OPTIONS = ("max_prompt_len", "mask", "scale", "output_dtype", "return_lse
 
 
 def static_options(q, *, depth, max_prompt_len, mask, scale, output_dtype, return_lse,
-                   config, interpret, backend="auto", logits_soft_cap=None,
-                   operands=()) -> dict:
+                   config, interpret, operands, backend="auto",
+                   logits_soft_cap=None) -> dict:
   """Validated options in the hashable form the jitted implementations take, defaults
   resolved: scale 1/sqrt(depth), output dtype q's, interpret exactly on the CPU backend.
-  ``operands``: the call's arrays (pytrees), for the check of interpret mode under a
-  jit with jax_enable_x64 on."""
+  ``operands``: the call's arrays (pytrees, q among them), for the check of interpret
+  mode under a jit with jax_enable_x64 on."""
   if not isinstance(return_lse, (bool, np.bool_)):
     raise TypeError(f"return_lse must be a static bool, got {return_lse!r}")
   interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
-  if interpret and jax.config.jax_enable_x64 and partitioning.traced(q, operands):
+  if interpret and jax.config.jax_enable_x64 and partitioning.traced(operands):
     # (``partitioning.implementation`` traces the kernels in 32 bits, but the interpreter
     # runs when the outer jit lowers, outside that; ``jax.eval_shape`` traces as jit
     # does and cannot be told apart here)

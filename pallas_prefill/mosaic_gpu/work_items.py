@@ -343,6 +343,26 @@ def _bitonic_sort(ops, v, sort_buf, i, n_items):
   return v
 
 
+def _store_table(ops, table_ref, col_bufs, cols, i, *, staged):
+  """The table (row i: ``cols``' lane i, lane i item i) into ``table_ref``, row-major. A
+  row a lane, a warp's stores touch 32 sectors, a row's width apart; ``staged``
+  (``MosaicOptions.work_list_staged_table``): row-major into ``col_bufs`` (shared
+  memory, whose columns ``cols`` were read from) first, then copied out in the order of
+  its words, lane i storing words c * n + i (n lanes), so that a warp's stores are 32
+  consecutive words."""
+  n, n_cols = i.shape[0], len(cols)
+  if not staged:
+    for c, x in enumerate(cols):
+      ops.scatter(table_ref, i * n_cols + c, x)
+    return
+  ops.sync()
+  for c, x in enumerate(cols):
+    ops.scatter(col_bufs, i * n_cols + c, x)
+  ops.sync()
+  for c in range(n_cols):
+    ops.scatter(table_ref, c * n + i, ops.gather(col_bufs, c * n + i))
+
+
 def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
             num_heads, group, num_programs, kv_given, paged_cap, page_tiles, dynamic,
             top_left, interpret, kv_align, seq_column, keyless_apart, wgs, shuffles,
@@ -423,20 +443,7 @@ def _kernel(*refs, batch, total_q, total_kv, mask, block_q, block_kv, num_items,
     order = lax.rem(_bitonic_sort(ops, v, sort_buf, i, n_items), n_items)
     ops.sync()
     sorted_cols = [ops.gather(col_bufs, c * n_items + order) for c in range(n_cols)]
-    if staged_table:
-      # The table row-major in shared memory first (over the columns, read above), then
-      # copied out in the order of its words: lane i stores words c * n_items + i, so a
-      # warp's stores are 32 consecutive words (a row at a time, a warp's stores would
-      # touch 32 sectors, n_cols words apart).
-      ops.sync()
-      for c, x in enumerate(sorted_cols):
-        ops.scatter(col_bufs, i * n_cols + c, x)
-      ops.sync()
-      for c in range(n_cols):
-        ops.scatter(table_ref, c * n_items + i, ops.gather(col_bufs, c * n_items + i))
-    else:
-      for c, x in enumerate(sorted_cols):
-        ops.scatter(table_ref, i * n_cols + c, x)
+    _store_table(ops, table_ref, col_bufs, sorted_cols, i, staged=staged_table)
 
     order = dict(num_heads=num_heads, group=group, num_programs=num_programs)
     tiles = sorted_cols[L.T_HI] - sorted_cols[L.T_LO]
